@@ -1,0 +1,1 @@
+"""Modules that save memory by changing how layers execute (LR-CNN row-centric stacks, BLPA blocks)."""
