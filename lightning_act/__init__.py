@@ -1,0 +1,19 @@
+"""lightning_act: activation-compressed training for PyTorch Lightning, Accelerate and HuggingFace.
+
+``Trainer(strategy="act")`` compresses every tensor autograd saves for backward; ``ActivationCompressor``
+does the same around any forward pass.
+"""
+from __future__ import annotations
+
+from . import callbacks, codecs, nn
+from .config import LEVELS, ACTConfig, resolve_config
+from .engine import ActivationCompressor
+from .stats import CompressionStats, TensorRecord
+from .strategies import ACTDDPStrategy, ACTStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTConfig", "ACTDDPStrategy", "ACTStrategy", "ActivationCompressor", "CompressionStats", "LEVELS",
+    "TensorRecord", "callbacks", "codecs", "nn", "resolve_config",
+]

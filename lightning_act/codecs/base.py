@@ -1,0 +1,62 @@
+"""The codec interface: ``encode(tensor) -> Packed`` and ``decode(Packed) -> tensor`` with exact stored bytes."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass
+class Packed:
+    """A compressed tensor: the buffers it stores and what is needed to rebuild the original.
+
+    ``buffers`` holds every tensor the compressed form keeps alive (payload, per-group statistics, ...);
+    ``nbytes`` is their exact total, the number the engine reports as stored bytes.
+    """
+
+    codec: str
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    buffers: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
+        """The same compressed form with its buffers on ``device`` (used by CPU swap)."""
+        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.buffers.items()}
+        return Packed(self.codec, self.shape, self.dtype, self.device, moved, dict(self.meta))
+
+
+class Codec(ABC):
+    """One compression technique. Subclasses set ``name`` and register with :func:`lightning_act.codecs.register`."""
+
+    name: ClassVar[str]
+    lossless: ClassVar[bool] = False
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
+        """Compress ``x``. ``key`` selects the random stream (stochastic codecs): same key, same bits."""
+
+    @abstractmethod
+    def decode(self, packed: Packed) -> torch.Tensor:
+        """Rebuild a contiguous tensor of the original shape, dtype and device."""
+
+    def bits_per_element(self, x: torch.Tensor) -> float:
+        """Nominal payload bits per element (for statistics); subclasses refine it."""
+        return 8.0 * x.element_size()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"

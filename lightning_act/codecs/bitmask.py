@@ -1,0 +1,27 @@
+"""Lossless 1 bit per element for boolean tensors (dropout keep-masks, attention masks, comparisons)."""
+from __future__ import annotations
+
+import torch
+
+from . import register
+from ._bitpack import pack_codes, unpack_codes
+from .base import Codec, Packed
+
+
+@register
+class BitmaskCodec(Codec):
+    name = "bitmask"
+    lossless = True
+
+    def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
+        if x.dtype != torch.bool:
+            raise ValueError(f"bitmask codec takes bool tensors; got dtype={x.dtype}")
+        bits = pack_codes(x.reshape(-1).view(torch.uint8), 1)
+        return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits})
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        codes = unpack_codes(packed.buffers["bits"], 1, packed.numel)
+        return codes.view(torch.bool).view(packed.shape)
+
+    def bits_per_element(self, x: torch.Tensor) -> float:
+        return 1.0

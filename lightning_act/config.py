@@ -1,0 +1,122 @@
+"""``ACTConfig``: the one configuration object, with GACT's optimisation levels (Table 1) as presets.
+
+=====  =============================================  ==========  ============================
+level  what it does                                   bits        status
+=====  =============================================  ==========  ============================
+L0     no compression (saved tensors kept as they are)  32        available
+L1     per-group quantization (fixed bits until          4         available
+       auto-precision lands)
+L2     L1 + swap to CPU with prefetch                   4         not available yet
+CB1    L1 + gradient checkpointing                      4         not available yet
+CB2    CB1 + memory-efficient self-attention            4         not available yet
+=====  =============================================  ==========  ============================
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from . import codecs
+from ._validate import check_choice, check_int, check_positive_float
+from .codecs.quantize import ALLOWED_BITS, BACKENDS, STATS_DTYPES
+
+LEVELS = ("L0", "L1", "L2", "CB1", "CB2")
+AVAILABLE_LEVELS = ("L0", "L1")
+# What each level sets when the user leaves the field unset (None).
+_LEVEL_PRESETS: dict[str, dict[str, Any]] = {
+    "L0": {"codec": "none", "bits": 32},
+    "L1": {"codec": "quantize", "bits": 4},
+}
+
+
+@dataclass(frozen=True)
+class ACTConfig:
+    """How saved activations are compressed.
+
+    Args:
+        opt_level: GACT optimisation level, one of ``LEVELS`` (see the module table). Unset fields take the
+            level's preset.
+        codec: codec for float activations (``act.codecs.available()``); ``None`` = the level's.
+        bits: bits per element for ``quantize`` (1, 2, 4, 8, 16, 32); ``None`` = the level's.
+        group_size: elements per quantization group (multiple of 32).
+        stats_dtype: dtype of per-group statistics, ``"float32"`` or ``"bfloat16"``.
+        min_numel: tensors with fewer elements are kept as they are (compressing them costs more than it saves).
+        compress_masks: store boolean saved tensors (dropout and attention masks) losslessly at 1 bit.
+        seed: seed of the counter-based stochastic-rounding noise.
+        backend: ``"auto"`` (CuPy kernels for CUDA tensors when CuPy imports, else torch), ``"torch"``, ``"cupy"``.
+        error_bound: absolute error bound for error-bounded codecs.
+    """
+
+    opt_level: str = "L1"
+    codec: str | None = None
+    bits: int | None = None
+    group_size: int = 256
+    stats_dtype: str = "float32"
+    min_numel: int = 4096
+    compress_masks: bool = True
+    seed: int = 0
+    backend: str = "auto"
+    error_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("opt_level", self.opt_level, LEVELS)
+        if self.opt_level not in AVAILABLE_LEVELS:
+            raise ValueError(
+                f"opt_level={self.opt_level!r} is not available yet (swap, checkpointing and efficient attention "
+                f"levels are in progress); available: {', '.join(AVAILABLE_LEVELS)}"
+            )
+        for name, value in _LEVEL_PRESETS[self.opt_level].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        check_choice("codec", self.codec, codecs.available())
+        check_choice("bits", self.bits, ALLOWED_BITS)
+        if self.opt_level == "L0" and (self.codec != "none" or self.bits != 32):
+            raise ValueError(
+                f"opt_level='L0' means no compression; got codec={self.codec!r}, bits={self.bits}: "
+                "choose opt_level='L1' to compress"
+            )
+        check_int("group_size", self.group_size, minimum=32, multiple_of=32)
+        check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
+        check_int("min_numel", self.min_numel, minimum=0)
+        check_choice("compress_masks", self.compress_masks, (True, False))
+        check_int("seed", self.seed, minimum=0)
+        check_choice("backend", self.backend, BACKENDS)
+        if self.error_bound is not None:
+            check_positive_float("error_bound", self.error_bound)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any saved tensor is compressed at all."""
+        return self.codec != "none"
+
+    def replace(self, **changes: Any) -> "ACTConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def codec_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``codecs.get(self.codec, ...)``."""
+        if self.codec == "quantize":
+            return {"bits": self.bits, "group_size": self.group_size, "stats_dtype": self.stats_dtype,
+                    "seed": self.seed, "backend": self.backend}
+        if self.codec == "none":
+            return {}
+        options: dict[str, Any] = {}
+        if self.error_bound is not None:
+            options["error_bound"] = self.error_bound
+        return options
+
+
+def resolve_config(spec: "ACTConfig | str | dict[str, Any] | None") -> ACTConfig:
+    """Turn a config, a level name (``"L0"``, ``"l1"``, ...), a dict of fields or ``None`` into an ``ACTConfig``."""
+    if spec is None:
+        return ACTConfig()
+    if isinstance(spec, ACTConfig):
+        return spec
+    if isinstance(spec, str):
+        level = spec.upper()
+        check_choice("opt_level", level, LEVELS)
+        return ACTConfig(opt_level=level)
+    if isinstance(spec, dict):
+        return ACTConfig(**spec)
+    raise TypeError(f"config={spec!r}; expected an ACTConfig, a level name ({', '.join(LEVELS)}), a dict or None")

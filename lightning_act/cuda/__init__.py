@@ -1,0 +1,20 @@
+"""CUDA kernels (CuPy ``RawModule``), compiled at run time from the ``.cu`` sources shipped beside this file."""
+from __future__ import annotations
+
+import importlib.util
+
+INSTALL_HINT = "pip install 'lightning-act[cuda]'  (or: pip install cupy-cuda12x)"
+
+
+def cupy_available() -> bool:
+    """True when CuPy can be imported (it is never imported by this check)."""
+    return importlib.util.find_spec("cupy") is not None
+
+
+def require_cupy():
+    """Import CuPy or raise an ImportError that says how to install it."""
+    try:
+        import cupy
+    except ImportError as err:
+        raise ImportError(f"backend='cupy' needs CuPy, which is not installed: {INSTALL_HINT}") from err
+    return cupy

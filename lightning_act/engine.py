@@ -1,0 +1,264 @@
+"""The compression engine: a ``saved_tensors_hooks`` pair that compresses what autograd saves for backward.
+
+``torch.autograd.graph.save_on_cpu`` is the primitive this grows from: the pack hook receives every tensor an
+op saves, the unpack hook gives it back in backward. Between them the policy here decides what each saved
+tensor is (parameter, index, mask, activation), stores each storage once, keeps autograd's in-place check,
+and records the step's statistics.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import codecs, rng
+from .codecs.base import Codec, Packed
+from .config import ACTConfig, resolve_config
+from .stats import COMPRESSED, DUPLICATE, KEPT, PARAMETER, CompressionStats, TensorRecord
+
+# grad_fn names (without their numeric suffix) of ops that only view or cast their single input: walking
+# through them from a saved tensor to an AccumulateGrad means it is a parameter seen through a view or cast
+# (``Linear`` saves ``weight.t()``; autocast saves a fresh bf16 copy of the weight).
+_VIEW_OR_CAST_FNS = frozenset({
+    "TBackward", "ToCopyBackward", "ViewBackward", "PermuteBackward", "TransposeBackward", "ExpandBackward",
+    "UnsafeViewBackward", "AliasBackward", "SliceBackward", "SelectBackward", "UnsqueezeBackward",
+    "SqueezeBackward", "AsStridedBackward", "ReshapeAliasBackward", "NumpyTBackward", "CloneBackward",
+})
+_MAX_VIEW_DEPTH = 6
+
+
+def _derives_from_leaf(t: torch.Tensor) -> bool:
+    """True when ``t`` is a leaf that requires grad, or a chain of views/casts of one."""
+    if t.grad_fn is None:
+        return t.requires_grad
+    fn = t.grad_fn
+    for _ in range(_MAX_VIEW_DEPTH):
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return True
+        if name.rstrip("0123456789") not in _VIEW_OR_CAST_FNS:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+    return False
+
+
+class _VersionGuard:
+    """Autograd's in-place check, kept although hooks bypass it.
+
+    A detached alias shares the saved tensor's version counter; swapping the alias onto an empty storage
+    keeps the counter without keeping the activation's memory alive.
+    """
+
+    __slots__ = ("alias", "version", "shape")
+
+    def __init__(self, t: torch.Tensor):
+        self.version = t._version
+        self.shape = tuple(t.shape)
+        alias = t.detach()
+        with torch.no_grad():
+            alias.set_(torch.empty(0, dtype=t.dtype, device=t.device))
+        # set_ bumps the shared counter: put it back so autograd's own saved copies stay valid
+        torch._C._autograd._unsafe_set_version_counter((alias,), (self.version,))
+        self.alias = alias
+
+    def check(self) -> None:
+        if self.alias._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a saved tensor of shape {list(self.shape)} is at version {self.alias._version}; "
+                f"expected version {self.version} instead (lightning_act keeps autograd's in-place check)"
+            )
+
+
+@dataclass
+class _Saved:
+    """What autograd holds for one saved tensor between forward and backward."""
+
+    guard: _VersionGuard | None
+    tensor: torch.Tensor | None = None  # kept as it is
+    packed: Packed | None = None  # compressed form of the tensor, or of its whole storage
+    codec: Codec | None = None
+    geometry: tuple | None = None  # (size, stride, storage_offset) of a view into a compressed storage
+    shape: torch.Size | None = None
+
+
+class _Step:
+    """Bookkeeping of one forward under ``compress()``."""
+
+    def __init__(self, number: int, param_storages: set[int]):
+        self.number = number
+        self.param_storages = param_storages
+        self.records: list[TensorRecord] = []
+        # (storage ptr, dtype, version, geometry) -> (weak ref to the storage, _Saved of its first save)
+        self.seen: dict[tuple, tuple[StorageWeakRef, _Saved]] = {}
+
+
+def _storage_unit(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None, tuple]:
+    """What to compress for ``t``: the tensor itself, or its whole storage when ``t`` is a view covering most of
+    it (then stride-0 expansions and transposes cost their real storage, and views of one storage are stored
+    once). Returns ``(flat unit, geometry to rebuild t, de-duplication key)``."""
+    storage = t.untyped_storage()
+    itemsize = t.element_size()
+    storage_numel = storage.nbytes() // itemsize
+    ptr = storage.data_ptr()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.numel() == storage_numel:
+        return t.reshape(-1), None, (ptr, t.dtype, t._version, None)
+    if storage.nbytes() % itemsize == 0 and 0 < storage_numel <= 2 * t.numel():
+        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage_numel,))
+        geometry = (tuple(t.shape), t.stride(), t.storage_offset())
+        return flat, geometry, (ptr, t.dtype, t._version, None)
+    geometry_key = (tuple(t.shape), t.stride(), t.storage_offset())
+    return t.contiguous().reshape(-1), None, (ptr, t.dtype, t._version, geometry_key)
+
+
+class ActivationCompressor:
+    """Compress the tensors autograd saves during the forward passes run inside :meth:`compress`.
+
+    >>> compressor = ActivationCompressor(model, ACTConfig(bits=4))
+    >>> with compressor.compress():
+    ...     loss = model(x).sum()
+    >>> loss.backward()
+    >>> compressor.stats().ratio
+
+    Only the forward needs the context: each saved tensor carries its own unpack hook into backward.
+    """
+
+    def __init__(self, model: nn.Module | None = None, config: ACTConfig | str | dict | None = None):
+        self.model = model
+        self.config = resolve_config(config)
+        self._codecs: dict[tuple[str, int | None], Codec] = {}
+        self._step: _Step | None = None
+        self._step_number = 0
+        self._last = CompressionStats()
+        if model is not None and isinstance(model, getattr(torch._dynamo, "OptimizedModule", ())):
+            warnings.warn(
+                "lightning_act: the model is torch.compile'd; saved-tensor hooks run after the compiled forward, "
+                "so activations inside compiled regions are not compressed (pytorch#148222). Compress an "
+                "uncompiled model to save memory.", stacklevel=2)
+
+    # ---- public API -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def compress(self) -> Iterator["ActivationCompressor"]:
+        """Context around the forward pass; the backward may run after it exits."""
+        if self._step is not None:
+            raise RuntimeError("ActivationCompressor.compress() is already active; it cannot be nested")
+        self._step = _Step(self._step_number, self._model_storages())
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            step, self._step = self._step, None
+            self._step_number += 1
+            self._last = CompressionStats.from_records(step.records)
+
+    def stats(self) -> CompressionStats:
+        """Statistics of the last completed ``compress()`` step."""
+        return self._last
+
+    @property
+    def step_number(self) -> int:
+        """How many ``compress()`` steps have completed."""
+        return self._step_number
+
+    # ---- policy -------------------------------------------------------------------------------------------
+    def _model_storages(self) -> set[int]:
+        if self.model is None:
+            return set()
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
+
+    def codec_for(self, index: int, t: torch.Tensor) -> Codec:
+        """The codec that encodes saved tensor number ``index`` of the step (bool masks get 1 bit)."""
+        if t.dtype == torch.bool:
+            return self._codec("bitmask", None)
+        return self._codec(self.config.codec, self.config.bits)
+
+    def noise_key(self, index: int) -> int:
+        """Random-stream key of saved tensor ``index`` in the current step: fresh noise every step."""
+        return rng.mix32(self._step.number) ^ index
+
+    def _codec(self, name: str, bits: int | None) -> Codec:
+        key = (name, bits)
+        if key not in self._codecs:
+            options = {} if name == "bitmask" else self.config.codec_options()
+            if bits is not None and name == "quantize":
+                options["bits"] = bits
+            self._codecs[key] = codecs.get(name, **options)
+        return self._codecs[key]
+
+    def _record(self, index, t, kind, codec, bits, original, stored, reason="") -> None:
+        self._step.records.append(
+            TensorRecord(index, tuple(t.shape), t.dtype, kind, codec, bits, original, stored, reason))
+
+    def _keep(self, index: int, t: torch.Tensor, reason: str, nbytes: int, guard=True) -> _Saved:
+        self._record(index, t, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes, reason)
+        return _Saved(_VersionGuard(t) if guard else None, tensor=t)
+
+    def _pack(self, t: torch.Tensor) -> _Saved:
+        step = self._step
+        index = len(step.records)
+        if t.layout != torch.strided:
+            nbytes = sum(x.numel() * x.element_size() for x in _sparse_parts(t))
+            return self._keep(index, t, "sparse", nbytes, guard=False)
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.device.type == "meta":
+            return self._keep(index, t, f"{type(t).__name__} on {t.device.type}", 0, guard=False)
+        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in step.param_storages \
+                or _derives_from_leaf(t):
+            self._record(index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
+            return _Saved(_VersionGuard(t), tensor=t)
+
+        unit, geometry, key = _storage_unit(t)
+        original = unit.numel() * unit.element_size()
+        hit = step.seen.get(key)
+        if hit is not None and not hit[0].expired():
+            first = hit[1]
+            self._record(index, t, DUPLICATE, first.codec.name if first.codec else "none", 0.0, 0, 0)
+            if first.tensor is not None:
+                return _Saved(_VersionGuard(t), tensor=t)
+            return _Saved(_VersionGuard(t), packed=first.packed, codec=first.codec, geometry=geometry, shape=t.shape)
+
+        if t.dtype == torch.bool and not self.config.compress_masks:
+            saved = self._keep(index, t, "mask compression off", original)
+        elif not (t.is_floating_point() or t.dtype == torch.bool):
+            saved = self._keep(index, t, f"{t.dtype} values", original)
+        elif unit.numel() < max(self.config.min_numel, 1):
+            saved = self._keep(index, t, f"fewer than min_numel={self.config.min_numel} elements", original)
+        elif not self.config.enabled and t.dtype != torch.bool:
+            saved = self._keep(index, t, "codec 'none'", original)
+        else:
+            codec = self.codec_for(index, unit)
+            packed = codec.encode(unit, key=self.noise_key(index))
+            self._record(index, t, COMPRESSED, codec.name, codec.bits_per_element(unit), original, packed.nbytes)
+            saved = _Saved(_VersionGuard(t), packed=packed, codec=codec, geometry=geometry, shape=t.shape)
+        step.seen[key] = (StorageWeakRef(t.untyped_storage()), saved)
+        return saved
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> torch.Tensor:
+        if saved.guard is not None:
+            saved.guard.check()
+        if saved.tensor is not None:
+            return saved.tensor
+        flat = saved.codec.decode(saved.packed).reshape(-1)
+        if saved.geometry is not None:
+            size, stride, offset = saved.geometry
+            return flat.as_strided(size, stride, offset)
+        return flat.view(saved.shape)
+
+
+def _sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return ()
