@@ -1,0 +1,69 @@
+import pytest
+
+import lightning_act as act
+from lightning_act.config import resolve_config
+
+
+def test_defaults_follow_level_l1():
+    cfg = act.ACTConfig()
+    assert (cfg.opt_level, cfg.codec, cfg.bits, cfg.group_size) == ("L1", "quantize", 4, 256)
+    assert cfg.enabled
+
+
+def test_l0_means_no_compression():
+    cfg = act.ACTConfig(opt_level="L0")
+    assert (cfg.codec, cfg.bits, cfg.enabled) == ("none", 32, False)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("bits", 3, r"bits=3; expected one of 1, 2, 4, 8, 16, 32"),
+    ("bits", True, r"bits=True; expected one of"),
+    ("opt_level", "L9", r"opt_level='L9'; expected one of 'L0', 'L1', 'L2', 'CB1', 'CB2'"),
+    ("codec", "zip", r"codec='zip'; expected one of .*'quantize'"),
+    ("group_size", 100, r"group_size=100; expected an integer >= 32 and a multiple of 32"),
+    ("group_size", 0, r"group_size=0"),
+    ("stats_dtype", "float16", r"stats_dtype='float16'; expected one of 'float32', 'bfloat16'"),
+    ("backend", "triton", r"backend='triton'; expected one of 'auto', 'torch', 'cupy'"),
+    ("min_numel", -1, r"min_numel=-1; expected an integer >= 0"),
+    ("seed", -5, r"seed=-5"),
+    ("error_bound", 0.0, r"error_bound=0.0; expected a finite number > 0"),
+    ("error_bound", float("nan"), r"error_bound=nan"),
+])
+def test_invalid_values_name_field_value_and_allowed(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        act.ACTConfig(**{field: value})
+
+
+@pytest.mark.parametrize("level", ["L2", "CB1", "CB2"])
+def test_levels_not_built_yet_say_so(level):
+    with pytest.raises(ValueError, match=rf"opt_level='{level}' is not available yet.*available: L0, L1"):
+        act.ACTConfig(opt_level=level)
+
+
+def test_l0_rejects_a_codec():
+    with pytest.raises(ValueError, match=r"opt_level='L0' means no compression; got codec='quantize'"):
+        act.ACTConfig(opt_level="L0", codec="quantize")
+
+
+def test_frozen_and_replace_validates():
+    cfg = act.ACTConfig()
+    with pytest.raises(AttributeError):
+        cfg.bits = 2
+    assert cfg.replace(bits=2).bits == 2
+    with pytest.raises(ValueError, match="bits=5"):
+        cfg.replace(bits=5)
+
+
+def test_resolve_aliases():
+    assert resolve_config("l0") == act.ACTConfig(opt_level="L0")
+    assert resolve_config({"bits": 8}).bits == 8
+    assert resolve_config(None) == act.ACTConfig()
+    with pytest.raises(ValueError, match="opt_level='FAST'"):
+        resolve_config("fast")
+    with pytest.raises(TypeError, match="config=3"):
+        resolve_config(3)
+
+
+def test_codec_registry_lists_names_on_unknown():
+    with pytest.raises(KeyError, match=r"unknown codec 'zstd'; available: .*bitmask.*none.*quantize"):
+        act.codecs.get("zstd")

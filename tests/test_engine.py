@@ -1,0 +1,264 @@
+"""The engine's policy and guarantees: exactness at L0/32 bits, autograd's in-place check, de-duplication,
+parameters, indices, masks, stride-0 views, sparse tensors, odd shapes, statistics."""
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_act as act
+from lightning_act.stats import COMPRESSED, DUPLICATE, KEPT, PARAMETER
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Dropout(0.2),
+        nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.GELU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16 * 4 * 4, 10), nn.LogSoftmax(dim=1),
+    )
+
+
+def grads_of(model: nn.Module, x: torch.Tensor, compressor=None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)  # same dropout mask in every run
+    if compressor is None:
+        loss = model(x).sum()
+    else:
+        with compressor.compress():
+            loss = model(x).sum()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("config", [act.ACTConfig(opt_level="L0"), act.ACTConfig(bits=32),
+                                    act.ACTConfig(bits=32, min_numel=0)])
+def test_l0_and_32_bits_give_bit_identical_gradients(config):
+    model, x = small_cnn(), torch.randn(8, 3, 16, 16)
+    exact = grads_of(model, x)
+    compressor = act.ActivationCompressor(model, config)
+    got = grads_of(model, x, compressor)
+    assert all(torch.equal(a, b) for a, b in zip(exact, got))
+    assert compressor.stats().num_saved > 0
+
+
+def test_four_bit_gradients_are_close_and_stats_add_up():
+    model, x = small_cnn(), torch.randn(16, 3, 16, 16)
+    exact = torch.cat([g.flatten() for g in grads_of(model, x)])
+    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, min_numel=0))
+    got = torch.cat([g.flatten() for g in grads_of(model, x, compressor)])
+    assert torch.nn.functional.cosine_similarity(exact, got, dim=0) > 0.95
+    stats = compressor.stats()
+    assert stats.original_bytes == sum(r.original_bytes for r in stats.records)
+    assert stats.stored_bytes == sum(r.stored_bytes for r in stats.records)
+    assert stats.ratio == pytest.approx(stats.original_bytes / stats.stored_bytes)
+    assert stats.ratio > 4
+    assert stats.count(COMPRESSED) >= 5
+
+
+def test_inplace_modification_after_save_raises_like_autograd():
+    x = torch.randn(5000, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0))
+    with compressor.compress():
+        y = x.exp()  # exp saves its result
+        loss = y.sum()
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*at version 1; expected version 0"):
+        loss.backward()
+
+
+def test_inplace_detected_even_after_the_tensor_is_gone():
+    x = torch.randn(5000, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0))
+    with compressor.compress():
+        y = torch.sigmoid(x)
+        y.mul_(2)  # modifies the saved result of sigmoid
+        loss = y.sum()
+    del y
+    gc.collect()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_autograd_own_saved_tensors_unaffected_by_guard():
+    # a tensor saved by autograd outside the context, then by an op inside it: the guard must not bump its version
+    x = torch.randn(5000, requires_grad=True)
+    y = x.exp()
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0))
+    with compressor.compress():
+        z = (y * 3).sum()
+    (y.sum() + z).backward()
+    assert torch.allclose(x.grad, x.exp() * 4, rtol=0.2)
+
+
+def test_same_storage_saved_three_times_is_stored_once():
+    h = torch.randn(64, 64, requires_grad=True) * 1.0
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0))
+    with compressor.compress():
+        loss = (h * h * h).sum()
+    loss.backward()
+    kinds = [r.kind for r in compressor.stats().records]
+    assert kinds.count(DUPLICATE) >= 1
+    one = 64 * 64 * 4
+    # h once (duplicates free) and h*h once: two storages
+    assert compressor.stats().original_bytes == 2 * one
+
+
+def test_freed_storage_reused_at_same_address_is_not_a_duplicate():
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=8, min_numel=0))
+    w = torch.randn(4096, requires_grad=True)
+    with compressor.compress():
+        losses = []
+        for i in range(4):
+            t = torch.full((4096,), float(i)) + 0.0  # temporaries, likely to reuse one address
+            losses.append((torch.sin(t) * w).sum())
+            del t
+        loss = sum(losses)
+    loss.backward()
+    expected = sum(torch.sin(torch.full((4096,), float(i))) for i in range(4))
+    torch.testing.assert_close(w.grad, expected, atol=0.02, rtol=0)
+
+
+def test_parameters_pass_through_including_autocast_casts():
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+    x = torch.randn(64, 128, requires_grad=True)
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    with compressor.compress(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().sum()
+    loss.backward()
+    recs = compressor.stats().records
+    params = [r for r in recs if r.kind == PARAMETER]
+    assert {r.shape for r in params} >= {(256, 128), (128, 256)}
+    assert not any(r.kind == COMPRESSED and r.shape in ((256, 128), (128, 256)) for r in recs)
+
+
+def test_parameters_detected_without_model_through_grad_fn():
+    lin = nn.Linear(100, 100)
+    x = torch.randn(50, 100, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0))
+    with compressor.compress():
+        lin(x).sum().backward()
+    shapes = {r.shape: r.kind for r in compressor.stats().records}
+    assert shapes[(100, 100)] == PARAMETER  # weight.t() walked to AccumulateGrad
+
+
+def test_integer_indices_kept_and_counted():
+    emb = nn.Embedding(1000, 64)
+    idx = torch.randint(0, 1000, (32, 128))
+    compressor = act.ActivationCompressor(emb, act.ACTConfig(min_numel=0))
+    with compressor.compress():
+        emb(idx).sum().backward()
+    (rec,) = [r for r in compressor.stats().records if r.dtype == torch.int64]
+    assert rec.kind == KEPT and rec.original_bytes == rec.stored_bytes == idx.numel() * 8
+
+
+def test_bool_masks_stored_at_one_bit():
+    x = torch.randn(100, 1000, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0))
+    with compressor.compress():
+        y = torch.where(torch.rand(100, 1000) > 0.5, x, 0.0)  # where saves its bool condition
+        y.sum().backward()
+    masks = [r for r in compressor.stats().records if r.dtype == torch.bool]
+    assert masks and all(r.kind == COMPRESSED and r.codec == "bitmask" for r in masks)
+    assert all(r.stored_bytes * 8 == r.original_bytes for r in masks)
+
+
+def test_stride_zero_expansion_counted_by_real_storage_and_not_materialised():
+    leaf = torch.randn(1, 512, requires_grad=True)
+    src = leaf * 1.0  # an activation, not a leaf
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0, bits=8))
+    with compressor.compress():
+        big = src.expand(4096, 512)
+        loss = (big * big.detach()).sum()  # mul saves both operands, each an expanded view
+    loss.backward()
+    for r in compressor.stats().records:
+        if r.shape == (4096, 512):
+            assert r.original_bytes <= 512 * 4
+    # one 8-bit quantization step of the 512 real values, repeated in all 4096 rows
+    step = (leaf.max() - leaf.min()).item() / 255
+    torch.testing.assert_close(leaf.grad, 4096 * leaf.detach(), rtol=0, atol=4096 * step * 1.01)
+
+
+def test_sparse_tensors_kept():
+    a = torch.randn(200, 200).relu().to_sparse()
+    w = torch.randn(200, 64, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0))
+    with compressor.compress():
+        torch.sparse.mm(a, w).sum().backward()
+    sparse = [r for r in compressor.stats().records if r.reason == "sparse"]
+    assert sparse and sparse[0].original_bytes == a._indices().nbytes + a._values().nbytes
+    torch.testing.assert_close(w.grad, torch.sparse.mm(a.t(), torch.ones(200, 64)))
+
+
+@pytest.mark.parametrize("shape, view", [
+    ((0, 5), lambda y: y),
+    ((1,), lambda y: y),
+    ((300, 7), lambda y: y.t()),  # non-contiguous view: storage-level round trip keeps strides
+    ((999,), lambda y: y),  # group does not divide numel
+    ((50, 40), lambda y: y[::2, 1:]),  # view of part of a storage
+    ((1, 600), lambda y: y.expand(10, 600)),  # stride-0 view
+])
+def test_odd_shapes_round_trip_through_engine(shape, view):
+    x = torch.randn(shape, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=8, min_numel=0))
+    with compressor.compress():
+        y = view(x * 1.0)
+        loss = (y * y).sum()  # saves the view twice
+    loss.backward()
+    expected = torch.autograd.grad((view(x * 1.0) ** 2).sum(), x)[0]
+    scale = max(1.0, x.detach().abs().max().item()) if x.numel() else 1.0
+    torch.testing.assert_close(x.grad, expected, atol=0.05 * scale * (10 if shape == (1, 600) else 1), rtol=0)
+
+
+def test_unpack_restores_shape_dtype_and_strides():
+    seen = {}
+    t = torch.randn(64, 96)[:, :80].t()  # non-contiguous, offset 0, covers most of its storage
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=8, min_numel=0))
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a)
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            (a,) = ctx.saved_tensors
+            seen["meta"] = (a.shape, a.dtype, a.stride(), a.storage_offset())
+            return g
+
+    x = t.detach().requires_grad_(True)
+    with compressor.compress():
+        Probe.apply(x).sum().backward()
+    assert seen["meta"] == (t.shape, t.dtype, t.stride(), t.storage_offset())
+
+
+def test_nesting_is_refused_and_hooks_removed_when_forward_raises():
+    compressor = act.ActivationCompressor(None)
+    with pytest.raises(RuntimeError, match="already active"):
+        with compressor.compress(), compressor.compress():
+            pass
+    with pytest.raises(ZeroDivisionError):
+        with compressor.compress():
+            raise ZeroDivisionError
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    # a second step still works after the failure
+    x = torch.randn(5000, requires_grad=True)
+    with compressor.compress():
+        loss = x.exp().sum()
+    loss.backward()
+    assert compressor.stats().num_saved == 1
+
+
+def test_fresh_noise_every_step():
+    x = torch.randn(8192, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=1))
+    grads = []
+    for _ in range(2):
+        x.grad = None
+        with compressor.compress():
+            loss = torch.sin(x).sum()
+        loss.backward()
+        grads.append(x.grad.clone())
+    assert not torch.equal(*grads)
+    assert compressor.step_number == 2

@@ -1,0 +1,158 @@
+"""The pure-torch ``quantize`` codec: round trips, error bound, unbiasedness, odd shapes, non-finite values."""
+import math
+
+import pytest
+import torch
+
+import lightning_act as act
+from lightning_act import rng
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+PACKED_BITS = [1, 2, 4, 8]
+
+
+def _per_element(stat: torch.Tensor, group: int, n: int) -> torch.Tensor:
+    return stat.float().repeat_interleave(group)[:n]
+
+
+def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype`` at |x| (rounding the float32 decode into the output dtype costs half of it)."""
+    return torch.finfo(dtype).eps * x.abs().clamp_min(torch.finfo(dtype).tiny)
+
+
+@pytest.mark.parametrize("bits", PACKED_BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stats_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(0,), (1,), (7, 37), (3, 256), (2, 3, 300)])
+def test_round_trip_error_is_at_most_one_step(bits, dtype, stats_dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    codec = act.codecs.get("quantize", bits=bits, stats_dtype=stats_dtype)
+    packed = codec.encode(x, key=7)
+    y = codec.decode(packed)
+    assert (y.shape, y.dtype, y.device) == (x.shape, x.dtype, x.device)
+    n, groups = x.numel(), math.ceil(x.numel() / 256)
+    assert packed.buffers["payload"].numel() == math.ceil(n * bits / 8)
+    expected_bytes = math.ceil(n * bits / 8) + 2 * groups * (4 if stats_dtype == "float32" else 2)
+    assert packed.nbytes == expected_bytes
+    if n:
+        step = _per_element(packed.buffers["step"], 256, n)
+        err = (y.float() - x.float()).abs().reshape(-1)
+        bound = step * (1 + 1e-5) + _ulp(y.float().reshape(-1), dtype)
+        assert torch.all(err <= bound), (err - bound).max()
+
+
+@pytest.mark.parametrize("bits", PACKED_BITS)
+def test_unbiased_over_seeds(bits):
+    """Mean of 1000 independent decodes is within 5 standard errors of x for every element.
+
+    Stochastic rounding to a grid of spacing s has per-draw variance <= s^2/4, so the mean of n draws has
+    standard error <= s / (2 sqrt(n)); 5 of them bound a false alarm per element below 6e-7.
+    """
+    torch.manual_seed(1)
+    x = torch.randn(512)
+    n = 1000
+    total = torch.zeros(512, dtype=torch.float64)
+    for seed in range(n):
+        codec = act.codecs.get("quantize", bits=bits, seed=seed)
+        total += codec.decode(codec.encode(x)).double()
+    step = _per_element(act.codecs.get("quantize", bits=bits).encode(x).buffers["step"], 256, 512).double()
+    assert torch.all((total / n - x.double()).abs() <= 5 * step / (2 * math.sqrt(n)))
+
+
+def test_same_key_same_bits_other_key_other_bits():
+    x = torch.randn(4096)
+    codec = act.codecs.get("quantize", bits=2)
+    a, b, c = (codec.encode(x, key=k).buffers["payload"] for k in (5, 5, 6))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_constant_group_is_exact():
+    x = torch.full((1000,), 0.3)
+    codec = act.codecs.get("quantize", bits=1)
+    packed = codec.encode(x)
+    assert torch.equal(packed.buffers["step"], torch.zeros(4))
+    assert torch.equal(codec.decode(packed), x)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_never_becomes_silently_finite(bad):
+    x = torch.randn(600)
+    x[300] = bad
+    codec = act.codecs.get("quantize", bits=4)
+    y = codec.decode(codec.encode(x))
+    assert torch.isnan(y[256:512]).all()  # the whole group is marked
+    assert torch.isfinite(y[:256]).all() and torch.isfinite(y[512:]).all()
+
+
+def test_non_contiguous_input():
+    x = torch.randn(64, 48).t()
+    codec = act.codecs.get("quantize", bits=8)
+    y = codec.decode(codec.encode(x))
+    assert y.shape == x.shape and y.is_contiguous()
+    assert (y - x).abs().max() <= (x.max() - x.min()) / 255 * 1.0001
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bits_16_and_32(dtype):
+    x = torch.randn(100, 3).to(dtype)
+    raw = act.codecs.get("quantize", bits=32)
+    p = raw.encode(x)
+    assert torch.equal(raw.decode(p), x) and p.nbytes == x.numel() * x.element_size()
+    half = act.codecs.get("quantize", bits=16)
+    p = half.encode(x)
+    assert p.nbytes == x.numel() * 2
+    assert torch.equal(half.decode(p), x.to(torch.bfloat16).to(dtype) if dtype == torch.float32 else x)
+
+
+def test_group_statistics_bfloat16_cover_the_group():
+    x = torch.randn(10000) * 7 + 3
+    p = act.codecs.get("quantize", bits=2, stats_dtype="bfloat16").encode(x)
+    mn = _per_element(p.buffers["mn"], 256, x.numel())
+    top = mn + 3 * _per_element(p.buffers["step"], 256, x.numel())
+    assert torch.all(mn <= x) and torch.all(top >= x)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"bits": 3}, r"bits=3; expected one of 1, 2, 4, 8, 16, 32"),
+    ({"group_size": 48}, r"group_size=48; expected an integer >= 32 and a multiple of 32"),
+    ({"backend": "cuda"}, r"backend='cuda'"),
+])
+def test_codec_options_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        act.codecs.get("quantize", **kwargs)
+
+
+def test_integer_input_rejected():
+    with pytest.raises(ValueError, match=r"float32/float16/bfloat16 tensors; got dtype=torch.int64"):
+        act.codecs.get("quantize").encode(torch.arange(10))
+
+
+def test_rng_scalar_and_tensor_hash_agree_and_cross_32bit_boundary():
+    words = torch.tensor([0, 1, 2**31, 2**32 - 1, 123456789])
+    assert rng.mix32_tensor(words.clone()).tolist() == [rng.mix32(w) for w in words.tolist()]
+    base = rng.stream_base(3, 9)
+    start = 2**32 - 2
+    u = rng.uniform24(base, start, 4)
+    expected = [(rng.mix32((i & rng.MASK32) ^ rng.mix32(base ^ (i >> 32))) >> 8) * 2**-24
+                for i in range(start, start + 4)]
+    assert u.tolist() == expected
+
+
+def test_rng_is_uniform():
+    u = rng.uniform24(rng.stream_base(0, 0), 0, 1 << 16)
+    hist = torch.histc(u, bins=16, min=0, max=1)
+    expected = (1 << 16) / 16
+    chi2 = ((hist - expected) ** 2 / expected).sum().item()
+    assert chi2 < 40  # 15 degrees of freedom: p(chi2 > 40) < 0.001
+
+
+def test_bitmask_codec_is_lossless_and_one_bit():
+    m = torch.rand(3, 1001) > 0.5
+    codec = act.codecs.get("bitmask")
+    p = codec.encode(m)
+    assert p.nbytes == math.ceil(3003 / 8)
+    assert torch.equal(codec.decode(p), m)
+    with pytest.raises(ValueError, match="bitmask codec takes bool tensors; got dtype=torch.float32"):
+        codec.encode(torch.zeros(3))
