@@ -1,0 +1,130 @@
+"""``Trainer(strategy="act")`` and friends, on CPU."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+
+import lightning_act as act
+from tests.lightning_models import TinyCNN, random_loader
+
+TRAINER_ARGS = dict(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("extra", [{}, {"accumulate_grad_batches": 2}, {"precision": "bf16-mixed"}])
+def test_act_strategy_trains_and_compresses(extra):
+    torch.manual_seed(0)
+    model = TinyCNN()
+    before = _params(model)
+    trainer = L.Trainer(strategy="act", **TRAINER_ARGS, **extra)
+    assert isinstance(trainer.strategy, act.ACTStrategy)
+    trainer.fit(model, random_loader())
+    assert not torch.equal(before, _params(model))
+    assert len(model.compressed_ratios) == 4
+    assert all(r > 3 for r in model.compressed_ratios)
+    stats = trainer.strategy.compressor.stats()
+    assert stats.num_compressed > 0 and stats.average_bits == 4.0
+
+
+def test_manual_optimization():
+    torch.manual_seed(0)
+    model = TinyCNN(manual=True)
+    before = _params(model)
+    trainer = L.Trainer(strategy=act.ACTStrategy(act.ACTConfig(bits=2)), **TRAINER_ARGS)
+    trainer.fit(model, random_loader())
+    assert not torch.equal(before, _params(model))
+    assert trainer.strategy.compressor.stats().average_bits == 2.0
+
+
+def test_l0_strategy_matches_plain_training_exactly():
+    results = []
+    for strategy in ("auto", act.ACTStrategy("L0")):
+        torch.manual_seed(0)
+        model = TinyCNN()
+        L.Trainer(strategy=strategy, **TRAINER_ARGS).fit(model, random_loader())
+        results.append(_params(model))
+    assert torch.equal(*results)
+
+
+class _MemoryLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.metrics: list[tuple[int, dict]] = []
+
+    name, version = "memory", 0
+
+    @property
+    def experiment(self):
+        return None
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_compression_monitor_logs_ratio():
+    logger = _MemoryLogger()
+    args = {**TRAINER_ARGS, "logger": logger, "log_every_n_steps": 1}
+    trainer = L.Trainer(strategy="act", callbacks=[act.callbacks.CompressionMonitor()], **args)
+    trainer.fit(TinyCNN(), random_loader())
+    logged = [m for _, m in logger.metrics if "act/compression_ratio" in m]
+    assert len(logged) == 4
+    assert all(m["act/compression_ratio"] > 3 and m["act/stored_bytes"] < m["act/original_bytes"] for m in logged)
+
+
+def test_compression_monitor_needs_act_strategy():
+    trainer = L.Trainer(strategy="auto", callbacks=[act.callbacks.CompressionMonitor()], **TRAINER_ARGS)
+    with pytest.raises(ValueError, match="CompressionMonitor needs an activation-compressing strategy; got"):
+        trainer.fit(TinyCNN(), random_loader())
+
+
+def test_registered_in_pytorch_lightning_too():
+    pl = pytest.importorskip("pytorch_lightning")
+    from lightning_act.strategies import PLACTDDPStrategy, PLACTStrategy
+
+    assert {"act", "act_ddp", "act_ddp_spawn"} <= set(pl.strategies.StrategyRegistry.available_strategies())
+    trainer = pl.Trainer(strategy="act", accelerator="cpu", logger=False, enable_checkpointing=False)
+    assert isinstance(trainer.strategy, PLACTStrategy)
+    assert issubclass(PLACTDDPStrategy, pl.strategies.DDPStrategy)
+
+
+def test_act_ddp_two_processes_both_compress(tmp_path: Path):
+    script = tmp_path / "ddp_run.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys, torch
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        import lightning as L
+        import lightning_act as act
+        from tests.lightning_models import TinyCNN, random_loader
+        torch.manual_seed(0)
+        model = TinyCNN()
+        trainer = L.Trainer(strategy="act_ddp", devices=2, accelerator="cpu", max_epochs=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        assert isinstance(trainer.strategy, act.ACTDDPStrategy)
+        trainer.fit(model, random_loader())
+        out = {{"rank": trainer.global_rank, "ratios": model.compressed_ratios,
+                "param_sum": float(sum(p.sum() for p in model.parameters()))}}
+        with open({str(tmp_path)!r} + f"/rank{{trainer.global_rank}}.json", "w") as f:
+            json.dump(out, f)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert len(r["ratios"]) == 2 and all(x > 3 for x in r["ratios"])  # 64 samples / 2 ranks / batch 16
+    assert ranks[0]["param_sum"] == pytest.approx(ranks[1]["param_sum"], rel=1e-6)  # gradients all-reduced
