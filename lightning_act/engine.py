@@ -10,15 +10,16 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import codecs, rng
+from . import codecs, op_codecs, rng
 from .codecs.base import Codec, Packed
 from .config import ACTConfig, resolve_config
+from .optrack import FunctionTracker
 from .stats import COMPRESSED, DUPLICATE, KEPT, PARAMETER, CompressionStats, TensorRecord
 
 # grad_fn names (without their numeric suffix) of ops that only view or cast their single input: walking
@@ -135,6 +136,10 @@ class ActivationCompressor:
         self.model = model
         self.config = resolve_config(config)
         self._codecs: dict[tuple[str, int | None], Codec] = {}
+        # Per-tensor overrides (auto-precision): bits for saved tensor (index, tensor), or None for the default.
+        self.bits_policy: Callable[[int, torch.Tensor], int | None] | None = None
+        # Random-stream key for (step number, saved-tensor index); default: fresh noise every step.
+        self.noise_policy: Callable[[int, int], int] | None = None
         self._step: _Step | None = None
         self._step_number = 0
         self._last = CompressionStats()
@@ -151,11 +156,16 @@ class ActivationCompressor:
         if self._step is not None:
             raise RuntimeError("ActivationCompressor.compress() is already active; it cannot be nested")
         self._step = _Step(self._step_number, self._model_storages())
+        track = self.config.enabled and self.config.compress_masks and bool(op_codecs.OUTPUT_CODECS)
+        self._tracker = FunctionTracker() if track else None
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with contextlib.ExitStack() as stack:
+                if self._tracker is not None:
+                    stack.enter_context(self._tracker)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
                 yield self
         finally:
-            step, self._step = self._step, None
+            step, self._step, self._tracker = self._step, None, None
             self._step_number += 1
             self._last = CompressionStats.from_records(step.records)
 
@@ -176,13 +186,21 @@ class ActivationCompressor:
         return {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
 
     def codec_for(self, index: int, t: torch.Tensor) -> Codec:
-        """The codec that encodes saved tensor number ``index`` of the step (bool masks get 1 bit)."""
+        """The codec for saved tensor number ``index`` of the step: the saving function's (lossless masks),
+        1 bit for bool tensors, else the configured codec at the bits the ``bits_policy`` assigns."""
+        function = self._tracker.current if self._tracker is not None else None
+        name = op_codecs.codec_name_for(function, t)
+        if name is not None:
+            return self._codec(name, None)
         if t.dtype == torch.bool:
             return self._codec("bitmask", None)
-        return self._codec(self.config.codec, self.config.bits)
+        bits = self.bits_policy(index, t) if self.bits_policy is not None else None
+        return self._codec(self.config.codec, bits if bits is not None else self.config.bits)
 
     def noise_key(self, index: int) -> int:
-        """Random-stream key of saved tensor ``index`` in the current step: fresh noise every step."""
+        """Random-stream key of saved tensor ``index`` in the current step."""
+        if self.noise_policy is not None:
+            return self.noise_policy(self._step.number, index)
         return rng.mix32(self._step.number) ^ index
 
     def _codec(self, name: str, bits: int | None) -> Codec:
@@ -217,29 +235,36 @@ class ActivationCompressor:
 
         unit, geometry, key = _storage_unit(t)
         original = unit.numel() * unit.element_size()
+        codec, reason = self._decide(index, t, unit)
+        key += (codec.name if codec is not None else None,)  # a mask and the values of one storage differ
         hit = step.seen.get(key)
         if hit is not None and not hit[0].expired():
             first = hit[1]
-            self._record(index, t, DUPLICATE, first.codec.name if first.codec else "none", 0.0, 0, 0)
+            self._record(index, t, DUPLICATE, codec.name if codec is not None else "none", 0.0, 0, 0)
             if first.tensor is not None:
                 return _Saved(_VersionGuard(t), tensor=t)
             return _Saved(_VersionGuard(t), packed=first.packed, codec=first.codec, geometry=geometry, shape=t.shape)
 
-        if t.dtype == torch.bool and not self.config.compress_masks:
-            saved = self._keep(index, t, "mask compression off", original)
-        elif not (t.is_floating_point() or t.dtype == torch.bool):
-            saved = self._keep(index, t, f"{t.dtype} values", original)
-        elif unit.numel() < max(self.config.min_numel, 1):
-            saved = self._keep(index, t, f"fewer than min_numel={self.config.min_numel} elements", original)
-        elif not self.config.enabled and t.dtype != torch.bool:
-            saved = self._keep(index, t, "codec 'none'", original)
+        if codec is None:
+            saved = self._keep(index, t, reason, original)
         else:
-            codec = self.codec_for(index, unit)
             packed = codec.encode(unit, key=self.noise_key(index))
             self._record(index, t, COMPRESSED, codec.name, codec.bits_per_element(unit), original, packed.nbytes)
             saved = _Saved(_VersionGuard(t), packed=packed, codec=codec, geometry=geometry, shape=t.shape)
         step.seen[key] = (StorageWeakRef(t.untyped_storage()), saved)
         return saved
+
+    def _decide(self, index: int, t: torch.Tensor, unit: torch.Tensor) -> tuple[Codec | None, str]:
+        """The codec for an activation, or ``None`` and the reason it is kept as it is."""
+        if not self.config.enabled:
+            return None, "codec 'none'"
+        if t.dtype == torch.bool and not self.config.compress_masks:
+            return None, "mask compression off"
+        if not (t.is_floating_point() or t.dtype == torch.bool):
+            return None, f"{t.dtype} values"
+        if unit.numel() < max(self.config.min_numel, 1):
+            return None, f"fewer than min_numel={self.config.min_numel} elements"
+        return self.codec_for(index, t), ""
 
     @staticmethod
     def _unpack(saved: _Saved) -> torch.Tensor:
