@@ -141,6 +141,7 @@ class ActivationCompressor:
         # Random-stream key for (step number, saved-tensor index); default: fresh noise every step.
         self.noise_policy: Callable[[int, int], int] | None = None
         self._step: _Step | None = None
+        self._tracker: FunctionTracker | None = None
         self._step_number = 0
         self._last = CompressionStats()
         if model is not None and isinstance(model, getattr(torch._dynamo, "OptimizedModule", ())):
@@ -156,7 +157,7 @@ class ActivationCompressor:
         if self._step is not None:
             raise RuntimeError("ActivationCompressor.compress() is already active; it cannot be nested")
         self._step = _Step(self._step_number, self._model_storages())
-        track = self.config.enabled and self.config.compress_masks and bool(op_codecs.OUTPUT_CODECS)
+        track = self.config.enabled and self.config.compress_masks and bool(op_codecs.OP_RULES)
         self._tracker = FunctionTracker() if track else None
         try:
             with contextlib.ExitStack() as stack:
@@ -186,12 +187,8 @@ class ActivationCompressor:
         return {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
 
     def codec_for(self, index: int, t: torch.Tensor) -> Codec:
-        """The codec for saved tensor number ``index`` of the step: the saving function's (lossless masks),
-        1 bit for bool tensors, else the configured codec at the bits the ``bits_policy`` assigns."""
-        function = self._tracker.current if self._tracker is not None else None
-        name = op_codecs.codec_name_for(function, t)
-        if name is not None:
-            return self._codec(name, None)
+        """The codec for float or bool saved tensor number ``index`` of the step: 1 bit for bool tensors,
+        else the configured codec at the bits the ``bits_policy`` assigns."""
         if t.dtype == torch.bool:
             return self._codec("bitmask", None)
         bits = self.bits_policy(index, t) if self.bits_policy is not None else None
@@ -258,6 +255,11 @@ class ActivationCompressor:
         """The codec for an activation, or ``None`` and the reason it is kept as it is."""
         if not self.config.enabled:
             return None, "codec 'none'"
+        if self._tracker is not None and unit.numel() >= self.config.min_numel:
+            # the saving function's rule first: it may store masks or indices losslessly
+            codec = op_codecs.codec_for_call(self._tracker.current, t)
+            if codec is not None:
+                return codec, ""
         if t.dtype == torch.bool and not self.config.compress_masks:
             return None, "mask compression off"
         if not (t.is_floating_point() or t.dtype == torch.bool):

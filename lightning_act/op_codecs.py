@@ -1,27 +1,33 @@
 """Codecs chosen by the function that saves a tensor (lossless masks for ops whose backward needs little).
 
-``OUTPUT_CODECS`` maps a torch function (``torch.nn.functional.relu``, ``torch.relu``, ``Tensor.relu_``, ...)
-to the name of a codec for the tensors that function saves. The engine asks :func:`codec_name_for` with the
-function a ``FunctionTracker`` reports while the tensor is packed; ``None`` means the default codec.
-The same storage saved later by another function (the next layer needs its values) is stored again with
-that function's codec: the de-duplication key includes the codec.
+A rule maps a torch function (``torch.nn.functional.relu``, ``torch.relu``, ``Tensor.relu_``, ...) to a
+callable ``rule(saved_tensor, call) -> Codec | None`` that picks the codec for a tensor saved while that
+function runs (``call`` is the :class:`~lightning_act.optrack.FunctionCall` with its arguments), or ``None``
+for the default choice. The engine asks :func:`codec_for_call` while a ``FunctionTracker`` is active. The same
+storage saved later by another function (the next layer needs its values) is stored again with that
+function's codec: the engine's de-duplication key includes the codec name.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-OUTPUT_CODECS: dict[Callable, str] = {}
+from .codecs.base import Codec
+from .optrack import FunctionCall
+
+OpRule = Callable[[torch.Tensor, FunctionCall], Optional[Codec]]
+OP_RULES: dict[Callable, OpRule] = {}
 
 
-def register_op_codec(functions: tuple[Callable, ...], codec_name: str) -> None:
-    """Use codec ``codec_name`` for every tensor saved while one of ``functions`` runs."""
+def register_op_rule(functions: tuple[Callable, ...], rule: OpRule) -> None:
+    """Let ``rule`` choose the codec of every tensor saved while one of ``functions`` runs."""
     for fn in functions:
-        OUTPUT_CODECS[fn] = codec_name
+        OP_RULES[fn] = rule
 
 
-def codec_name_for(function: Callable | None, t: torch.Tensor) -> str | None:
-    if function is None:
+def codec_for_call(call: FunctionCall | None, t: torch.Tensor) -> Codec | None:
+    if call is None:
         return None
-    return OUTPUT_CODECS.get(function)
+    rule = OP_RULES.get(call.func)
+    return rule(t, call) if rule is not None else None

@@ -8,21 +8,32 @@ is disabled while it handles a call), which is what we want: ``F.relu`` is repor
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch.overrides import TorchFunctionMode
 
 
+@dataclass(frozen=True)
+class FunctionCall:
+    """The torch function being executed and the arguments it was called with."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+
+
 class FunctionTracker(TorchFunctionMode):
-    """``current`` is the torch function being executed (``None`` between calls)."""
+    """``current`` is the torch function call being executed (``None`` between calls)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.current: Callable | None = None
+        self.current: FunctionCall | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
-        outer, self.current = self.current, func
+        kwargs = kwargs or {}
+        outer, self.current = self.current, FunctionCall(func, args, kwargs)
         try:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         finally:
             self.current = outer
