@@ -138,6 +138,8 @@ class ActivationCompressor:
         self._codecs: dict[tuple[str, int | None], Codec] = {}
         # Per-tensor overrides (auto-precision): bits for saved tensor (index, tensor), or None for the default.
         self.bits_policy: Callable[[int, torch.Tensor], int | None] | None = None
+        # Per-tensor codec (e.g. per-layer error bounds): a codec for (index, tensor), or None for the default.
+        self.codec_policy: Callable[[int, torch.Tensor], Codec | None] | None = None
         # Random-stream key for (step number, saved-tensor index); default: fresh noise every step.
         self.noise_policy: Callable[[int, int], int] | None = None
         self._step: _Step | None = None
@@ -191,6 +193,10 @@ class ActivationCompressor:
         else the configured codec at the bits the ``bits_policy`` assigns."""
         if t.dtype == torch.bool:
             return self._codec("bitmask", None)
+        if self.codec_policy is not None:
+            codec = self.codec_policy(index, t)
+            if codec is not None:
+                return codec
         bits = self.bits_policy(index, t) if self.bits_policy is not None else None
         return self._codec(self.config.codec, bits if bits is not None else self.config.bits)
 
