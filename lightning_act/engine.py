@@ -8,6 +8,7 @@ and records the step's statistics.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -31,6 +32,13 @@ _VIEW_OR_CAST_FNS = frozenset({
     "SqueezeBackward", "AsStridedBackward", "ReshapeAliasBackward", "NumpyTBackward", "CloneBackward",
 })
 _MAX_VIEW_DEPTH = 6
+# The compressor whose compress() context is active in this thread (checkpoints recompute under it).
+_ACTIVE = threading.local()
+
+
+def active_compressor() -> "ActivationCompressor | None":
+    """The ``ActivationCompressor`` whose ``compress()`` is active in this thread, if any."""
+    return getattr(_ACTIVE, "compressor", None)
 
 
 def _derives_from_leaf(t: torch.Tensor) -> bool:
@@ -92,12 +100,15 @@ class _Saved:
 
 
 class _Step:
-    """Bookkeeping of one forward under ``compress()``."""
+    """Bookkeeping of one forward under ``compress()``, or of a checkpoint's recomputation in its backward
+    (``phase="recompute"``, sharing the records of the step that ran the forward)."""
 
-    def __init__(self, number: int, param_storages: set[int]):
+    def __init__(self, number: int, param_storages: set[int], records: list[TensorRecord] | None = None,
+                 phase: str = "forward"):
         self.number = number
         self.param_storages = param_storages
-        self.records: list[TensorRecord] = []
+        self.records: list[TensorRecord] = [] if records is None else records
+        self.phase = phase
         # (storage ptr, dtype, version, geometry) -> (weak ref to the storage, _Saved of its first save)
         self.seen: dict[tuple, tuple[StorageWeakRef, _Saved]] = {}
 
@@ -145,7 +156,7 @@ class ActivationCompressor:
         self._step: _Step | None = None
         self._tracker: FunctionTracker | None = None
         self._step_number = 0
-        self._last = CompressionStats()
+        self._last_step: _Step | None = None
         if model is not None and isinstance(model, getattr(torch._dynamo, "OptimizedModule", ())):
             warnings.warn(
                 "lightning_act: the model is torch.compile'd; saved-tensor hooks run after the compiled forward, "
@@ -158,23 +169,55 @@ class ActivationCompressor:
         """Context around the forward pass; the backward may run after it exits."""
         if self._step is not None:
             raise RuntimeError("ActivationCompressor.compress() is already active; it cannot be nested")
-        self._step = _Step(self._step_number, self._model_storages())
+        step = _Step(self._step_number, self._model_storages())
+        outer_active = getattr(_ACTIVE, "compressor", None)
+        _ACTIVE.compressor = self
+        try:
+            with self._hooks(step):
+                yield self
+        finally:
+            _ACTIVE.compressor = outer_active
+            self._step_number += 1
+            self._last_step = step
+
+    @contextlib.contextmanager
+    def recompute(self, step: "_Step") -> Iterator[None]:
+        """Hooks for a checkpoint's recomputation during backward: what it saves is compressed too and
+        recorded in ``step``'s statistics (``phase="recompute"``)."""
+        outer = self._step
+        self._step = None
+        try:
+            with self._hooks(_Step(step.number, step.param_storages, step.records, phase="recompute")):
+                yield
+        finally:
+            self._step = outer
+
+    @contextlib.contextmanager
+    def _hooks(self, step: "_Step") -> Iterator[None]:
+        self._step = step
         track = self.config.enabled and self.config.compress_masks and bool(op_codecs.OP_RULES)
-        self._tracker = FunctionTracker() if track else None
+        outer_tracker, self._tracker = self._tracker, FunctionTracker() if track else None
         try:
             with contextlib.ExitStack() as stack:
                 if self._tracker is not None:
                     stack.enter_context(self._tracker)
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-                yield self
+                yield
         finally:
-            step, self._step, self._tracker = self._step, None, None
-            self._step_number += 1
-            self._last = CompressionStats.from_records(step.records)
+            self._step, self._tracker = None, outer_tracker
+            step.seen.clear()  # the de-dup table must not keep compressed tensors alive past the forward
+
+    @property
+    def current_step(self) -> "_Step | None":
+        """The step whose forward is running (what a checkpoint needs to record its recomputation)."""
+        return self._step
 
     def stats(self) -> CompressionStats:
-        """Statistics of the last completed ``compress()`` step."""
-        return self._last
+        """Statistics of the last completed ``compress()`` step, including tensors that checkpoints saved
+        while recomputing in its backward."""
+        if self._last_step is None:
+            return CompressionStats()
+        return CompressionStats.from_records(self._last_step.records)
 
     @property
     def step_number(self) -> int:
@@ -216,8 +259,9 @@ class ActivationCompressor:
         return self._codecs[key]
 
     def _record(self, index, t, kind, codec, bits, original, stored, reason="") -> None:
-        self._step.records.append(
-            TensorRecord(index, tuple(t.shape), t.dtype, kind, codec, bits, original, stored, reason))
+        step = self._step
+        step.records.append(
+            TensorRecord(index, tuple(t.shape), t.dtype, kind, codec, bits, original, stored, reason, step.phase))
 
     def _keep(self, index: int, t: torch.Tensor, reason: str, nbytes: int, guard=True) -> _Saved:
         self._record(index, t, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes, reason)

@@ -26,6 +26,7 @@ class TensorRecord:
     original_bytes: int
     stored_bytes: int
     reason: str = ""
+    phase: str = "forward"  # or "recompute": saved while a checkpoint recomputed its segment in backward
 
 
 @dataclass(frozen=True)
