@@ -1,15 +1,17 @@
 """``ACTConfig``: the one configuration object, with GACT's optimisation levels (Table 1) as presets.
 
-=====  =============================================  ==========  ============================
-level  what it does                                   bits        status
-=====  =============================================  ==========  ============================
-L0     no compression (saved tensors kept as they are)  32        available
-L1     per-group quantization (fixed bits until          4         available
-       auto-precision lands)
-L2     L1 + swap to CPU with prefetch                   4         not available yet
-CB1    L1 + gradient checkpointing                      4         not available yet
-CB2    CB1 + memory-efficient self-attention            4         not available yet
-=====  =============================================  ==========  ============================
+=====  ======================================================  ====  ==========================================
+level  what it does                                            bits  fields it sets
+=====  ======================================================  ====  ==========================================
+L0     no compression (saved tensors kept as they are)          32    codec="none"
+L1     per-group quantization (fixed bits until auto-precision)  4    codec="quantize"
+L2     L1 + swap to host memory with prefetch                    4    swap=True
+CB1    L1 + gradient checkpointing (compressed inputs and        4    checkpointing=True
+       recomputed tensors)
+CB2    CB1 + memory-efficient (chunked) self-attention           4    checkpointing=True, efficient_attention=True
+=====  ======================================================  ====  ==========================================
+
+``L0`` with ``swap=True`` is GACT's uncompressed "swap" baseline.
 """
 from __future__ import annotations
 
@@ -22,11 +24,15 @@ from ._validate import check_choice, check_int, check_positive_float
 from .codecs.quantize import ALLOWED_BITS, BACKENDS, STATS_DTYPES
 
 LEVELS = ("L0", "L1", "L2", "CB1", "CB2")
-AVAILABLE_LEVELS = ("L0", "L1")
+_OFF = {"swap": False, "checkpointing": False, "efficient_attention": False}
+_L1 = {"codec": "quantize", "bits": 4}
 # What each level sets when the user leaves the field unset (None).
 _LEVEL_PRESETS: dict[str, dict[str, Any]] = {
-    "L0": {"codec": "none", "bits": 32},
-    "L1": {"codec": "quantize", "bits": 4},
+    "L0": {"codec": "none", "bits": 32, **_OFF},
+    "L1": {**_L1, **_OFF},
+    "L2": {**_L1, **_OFF, "swap": True},
+    "CB1": {**_L1, **_OFF, "checkpointing": True},
+    "CB2": {**_L1, **_OFF, "checkpointing": True, "efficient_attention": True},
 }
 
 
@@ -46,6 +52,9 @@ class ACTConfig:
         seed: seed of the counter-based stochastic-rounding noise.
         backend: ``"auto"`` (CuPy kernels for CUDA tensors when CuPy imports, else torch), ``"torch"``, ``"cupy"``.
         error_bound: absolute error bound for error-bounded codecs.
+        swap: move compressed activations to host memory in forward, prefetch them in backward (L2).
+        checkpointing: checkpoint HuggingFace layers with compressed inputs and recomputation (CB1, CB2).
+        efficient_attention: chunked self-attention in HuggingFace models, memory linear in length (CB2).
     """
 
     opt_level: str = "L1"
@@ -58,14 +67,12 @@ class ACTConfig:
     seed: int = 0
     backend: str = "auto"
     error_bound: float | None = None
+    swap: bool | None = None
+    checkpointing: bool | None = None
+    efficient_attention: bool | None = None
 
     def __post_init__(self) -> None:
         check_choice("opt_level", self.opt_level, LEVELS)
-        if self.opt_level not in AVAILABLE_LEVELS:
-            raise ValueError(
-                f"opt_level={self.opt_level!r} is not available yet (swap, checkpointing and efficient attention "
-                f"levels are in progress); available: {', '.join(AVAILABLE_LEVELS)}"
-            )
         for name, value in _LEVEL_PRESETS[self.opt_level].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -79,7 +86,8 @@ class ACTConfig:
         check_int("group_size", self.group_size, minimum=32, multiple_of=32)
         check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
         check_int("min_numel", self.min_numel, minimum=0)
-        check_choice("compress_masks", self.compress_masks, (True, False))
+        for flag in ("compress_masks", "swap", "checkpointing", "efficient_attention"):
+            check_choice(flag, getattr(self, flag), (True, False))
         check_int("seed", self.seed, minimum=0)
         check_choice("backend", self.backend, BACKENDS)
         if self.error_bound is not None:

@@ -34,10 +34,20 @@ def test_invalid_values_name_field_value_and_allowed(field, value, match):
         act.ACTConfig(**{field: value})
 
 
-@pytest.mark.parametrize("level", ["L2", "CB1", "CB2"])
-def test_levels_not_built_yet_say_so(level):
-    with pytest.raises(ValueError, match=rf"opt_level='{level}' is not available yet.*available: L0, L1"):
-        act.ACTConfig(opt_level=level)
+@pytest.mark.parametrize("level, swap, checkpointing, attention", [
+    ("L1", False, False, False), ("L2", True, False, False), ("CB1", False, True, False), ("CB2", False, True, True),
+])
+def test_levels_follow_gact_table_1(level, swap, checkpointing, attention):
+    cfg = act.ACTConfig(opt_level=level)
+    assert (cfg.codec, cfg.bits) == ("quantize", 4)
+    assert (cfg.swap, cfg.checkpointing, cfg.efficient_attention) == (swap, checkpointing, attention)
+
+
+def test_explicit_fields_override_the_level_and_are_validated():
+    assert act.ACTConfig(opt_level="L2", bits=2).bits == 2
+    assert act.ACTConfig(opt_level="L0", swap=True).swap  # GACT's uncompressed swap baseline
+    with pytest.raises(ValueError, match=r"swap='yes'; expected one of True, False"):
+        act.ACTConfig(swap="yes")
 
 
 def test_l0_rejects_a_codec():
