@@ -4,7 +4,9 @@
 level  what it does                                            bits  fields it sets
 =====  ======================================================  ====  ==========================================
 L0     no compression (saved tensors kept as they are)          32    codec="none"
-L1     per-group quantization (fixed bits until auto-precision)  4    codec="quantize"
+L1     per-group quantization; adaptive bits (average            4    codec="quantize"
+       ``bit_budget``) when the ``AutoPrecision`` callback is
+       attached, fixed ``bits`` otherwise
 L2     L1 + swap to host memory with prefetch                    4    swap=True
 CB1    L1 + gradient checkpointing (compressed inputs and        4    checkpointing=True
        recomputed tensors)
@@ -12,6 +14,10 @@ CB2    CB1 + memory-efficient (chunked) self-attention           4    checkpoint
 =====  ======================================================  ====  ==========================================
 
 ``L0`` with ``swap=True`` is GACT's uncompressed "swap" baseline.
+
+GACT's auto-precision needs extra forward/backward passes on the user's batch, which only a callback (or the
+plain ``AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn)`` call) can run: a strategy alone
+compresses every tensor at the fixed ``bits``.
 """
 from __future__ import annotations
 
@@ -55,6 +61,13 @@ class ACTConfig:
         swap: move compressed activations to host memory in forward, prefetch them in backward (L2).
         checkpointing: checkpoint HuggingFace layers with compressed inputs and recomputation (CB1, CB2).
         efficient_attention: chunked self-attention in HuggingFace models, memory linear in length (CB2).
+        adapt_interval: auto-precision re-estimates tensor sensitivities every this many steps.
+        bit_budget: average bits per element auto-precision allocates (GACT's adaptive 4/3/2 bit), in [1, 32];
+            ``None`` = ``bits``.
+        adapt_fraction: share of the tensors re-estimated per round after the first, full one (round robin),
+            in (0, 1].
+        alert_ratio: auto-precision warns when the estimated compression variance exceeds this multiple of
+            the gradient's sampling variance (raise ``bit_budget`` then).
     """
 
     opt_level: str = "L1"
@@ -70,6 +83,10 @@ class ACTConfig:
     swap: bool | None = None
     checkpointing: bool | None = None
     efficient_attention: bool | None = None
+    adapt_interval: int = 1000
+    bit_budget: float | None = None
+    adapt_fraction: float = 1.0
+    alert_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         check_choice("opt_level", self.opt_level, LEVELS)
@@ -92,6 +109,11 @@ class ACTConfig:
         check_choice("backend", self.backend, BACKENDS)
         if self.error_bound is not None:
             check_positive_float("error_bound", self.error_bound)
+        check_int("adapt_interval", self.adapt_interval, minimum=1)
+        if self.bit_budget is not None:
+            _check_number_in("bit_budget", self.bit_budget, 1.0, 32.0, "a number in [1, 32]")
+        _check_number_in("adapt_fraction", self.adapt_fraction, 0.0, 1.0, "a number in (0, 1]", open_low=True)
+        check_positive_float("alert_ratio", self.alert_ratio)
 
     @property
     def enabled(self) -> bool:
@@ -113,6 +135,12 @@ class ACTConfig:
         if self.error_bound is not None:
             options["error_bound"] = self.error_bound
         return options
+
+
+def _check_number_in(field: str, value: Any, low: float, high: float, rule: str, open_low: bool = False) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or not (low < value <= high if open_low else low <= value <= high):
+        raise ValueError(f"{field}={value!r}; expected {rule}")
 
 
 def resolve_config(spec: "ACTConfig | str | dict[str, Any] | None") -> ACTConfig:
