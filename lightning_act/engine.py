@@ -21,6 +21,7 @@ from . import codecs, op_codecs, rng
 from .codecs.base import Codec, Packed
 from .config import ACTConfig, resolve_config
 from .optrack import FunctionTracker
+from .swap import SwapHandle, SwapStore
 from .stats import COMPRESSED, DUPLICATE, KEPT, PARAMETER, CompressionStats, TensorRecord
 
 # grad_fn names (without their numeric suffix) of ops that only view or cast their single input: walking
@@ -94,6 +95,7 @@ class _Saved:
     guard: _VersionGuard | None
     tensor: torch.Tensor | None = None  # kept as it is
     packed: Packed | None = None  # compressed form of the tensor, or of its whole storage
+    swapped: "SwapHandle | None" = None  # ... or that form moved to host memory
     codec: Codec | None = None
     geometry: tuple | None = None  # (size, stride, storage_offset) of a view into a compressed storage
     shape: torch.Size | None = None
@@ -157,6 +159,8 @@ class ActivationCompressor:
         self._tracker: FunctionTracker | None = None
         self._step_number = 0
         self._last_step: _Step | None = None
+        self._warned_checkpointing = False
+        self.swap_store: SwapStore | None = SwapStore() if self.config.swap else None
         if model is not None and isinstance(model, getattr(torch._dynamo, "OptimizedModule", ())):
             warnings.warn(
                 "lightning_act: the model is torch.compile'd; saved-tensor hooks run after the compiled forward, "
@@ -173,12 +177,36 @@ class ActivationCompressor:
         outer_active = getattr(_ACTIVE, "compressor", None)
         _ACTIVE.compressor = self
         try:
-            with self._hooks(step):
+            with self._model_contexts(), self._hooks(step):
                 yield self
         finally:
             _ACTIVE.compressor = outer_active
+            if self.swap_store is not None:
+                self.swap_store.end_step(step.number)
             self._step_number += 1
             self._last_step = step
+
+    @contextlib.contextmanager
+    def _model_contexts(self) -> Iterator[None]:
+        """HuggingFace layers checkpoint through the compressed checkpoint (all of them at CB1/CB2, the ones
+        the user enabled otherwise) and use chunked attention at CB2, for the duration of the forward."""
+        if self.model is None:
+            yield
+            return
+        from .checkpoint import use_compressed_checkpointing
+        from .nn.attention import use_chunked_attention
+
+        with contextlib.ExitStack() as stack:
+            routed = stack.enter_context(use_compressed_checkpointing(self.model, self, self.config.checkpointing))
+            if self.config.checkpointing and not routed and not self._warned_checkpointing:
+                self._warned_checkpointing = True
+                warnings.warn(
+                    f"lightning_act: opt_level={self.config.opt_level!r} checkpoints HuggingFace layers, and "
+                    f"{type(self.model).__name__} has none; wrap segments with lightning_act.checkpoint(fn, *args)",
+                    stacklevel=3)
+            if self.config.efficient_attention:
+                stack.enter_context(use_chunked_attention(self.model))
+            yield
 
     @contextlib.contextmanager
     def recompute(self, step: "_Step") -> Iterator[None]:
@@ -258,10 +286,10 @@ class ActivationCompressor:
             self._codecs[key] = codecs.get(name, **options)
         return self._codecs[key]
 
-    def _record(self, index, t, kind, codec, bits, original, stored, reason="") -> None:
+    def _record(self, index, t, kind, codec, bits, original, stored, reason="", offloaded=False) -> None:
         step = self._step
-        step.records.append(
-            TensorRecord(index, tuple(t.shape), t.dtype, kind, codec, bits, original, stored, reason, step.phase))
+        step.records.append(TensorRecord(index, tuple(t.shape), t.dtype, kind, codec, bits, original, stored,
+                                         reason, step.phase, offloaded))
 
     def _keep(self, index: int, t: torch.Tensor, reason: str, nbytes: int, guard=True) -> _Saved:
         self._record(index, t, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes, reason)
@@ -290,20 +318,28 @@ class ActivationCompressor:
             self._record(index, t, DUPLICATE, codec.name if codec is not None else "none", 0.0, 0, 0)
             if first.tensor is not None:
                 return _Saved(_VersionGuard(t), tensor=t)
-            return _Saved(_VersionGuard(t), packed=first.packed, codec=first.codec, geometry=geometry, shape=t.shape)
+            return _Saved(_VersionGuard(t), packed=first.packed, swapped=first.swapped, codec=first.codec,
+                          geometry=geometry, shape=t.shape)
 
         if codec is None:
             saved = self._keep(index, t, reason, original)
         else:
             packed = codec.encode(unit, key=self.noise_key(index))
-            self._record(index, t, COMPRESSED, codec.name, codec.bits_per_element(unit), original, packed.nbytes)
-            saved = _Saved(_VersionGuard(t), packed=packed, codec=codec, geometry=geometry, shape=t.shape)
+            stored, swapped = packed.nbytes, None
+            if self.swap_store is not None and step.phase == "forward":  # recomputed tensors live briefly
+                swapped, packed = self.swap_store.put(step.number, index, packed), None
+            self._record(index, t, COMPRESSED, codec.name, codec.bits_per_element(unit), original, stored,
+                         offloaded=swapped is not None)
+            saved = _Saved(_VersionGuard(t), packed=packed, swapped=swapped, codec=codec, geometry=geometry,
+                           shape=t.shape)
         step.seen[key] = (StorageWeakRef(t.untyped_storage()), saved)
         return saved
 
     def _decide(self, index: int, t: torch.Tensor, unit: torch.Tensor) -> tuple[Codec | None, str]:
         """The codec for an activation, or ``None`` and the reason it is kept as it is."""
         if not self.config.enabled:
+            if self.config.swap and t.is_floating_point() and unit.numel() >= max(self.config.min_numel, 1):
+                return self._codec("none", None), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
         if self._tracker is not None and unit.numel() >= self.config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly
@@ -324,7 +360,8 @@ class ActivationCompressor:
             saved.guard.check()
         if saved.tensor is not None:
             return saved.tensor
-        flat = saved.codec.decode(saved.packed).reshape(-1)
+        packed = saved.packed if saved.packed is not None else saved.swapped.fetch()
+        flat = saved.codec.decode(packed).reshape(-1)
         if saved.geometry is not None:
             size, stride, offset = saved.geometry
             return flat.as_strided(size, stride, offset)

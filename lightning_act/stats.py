@@ -27,6 +27,7 @@ class TensorRecord:
     stored_bytes: int
     reason: str = ""
     phase: str = "forward"  # or "recompute": saved while a checkpoint recomputed its segment in backward
+    offloaded: bool = False  # stored in host memory (swap), not on the device
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,16 @@ class CompressionStats:
     @property
     def num_saved(self) -> int:
         return len(self.records)
+
+    @property
+    def device_bytes(self) -> int:
+        """Stored bytes kept on the device between forward and backward (not swapped, not recomputed)."""
+        return sum(r.stored_bytes for r in self.records if not r.offloaded and r.phase == "forward")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Stored bytes held in host memory by swap."""
+        return sum(r.stored_bytes for r in self.records if r.offloaded)
 
     def count(self, kind: str) -> int:
         return sum(r.kind == kind for r in self.records)

@@ -11,7 +11,9 @@ model built with ``attn_implementation="act_chunked"`` (or ``model.set_attn_impl
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 
@@ -86,7 +88,31 @@ def register_with_transformers() -> str:
     """Register ``"act_chunked"`` in transformers' attention registry; returns the name."""
     try:
         from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
     except ImportError as err:
         raise ImportError("chunked attention for transformers needs it: pip install 'lightning-act[hf]'") from err
     AttentionInterface.register(ATTENTION_NAME, transformers_attention_forward)
+    # the additive float mask eager attention uses (large negative, never -inf: no NaN on fully masked rows)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, eager_mask)
     return ATTENTION_NAME
+
+
+@contextlib.contextmanager
+def use_chunked_attention(model: torch.nn.Module) -> Iterator[int]:
+    """Make the HuggingFace models inside ``model`` attend with ``"act_chunked"`` for the duration.
+
+    transformers reads ``config._attn_implementation`` at every forward, so switching it on the configs and
+    putting it back afterwards is enough. Yields how many configs were switched (0 for non-HF models).
+    """
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    if configs:
+        register_with_transformers()
+    previous = {key: cfg._attn_implementation for key, cfg in configs.items()}
+    try:
+        for cfg in configs.values():
+            cfg._attn_implementation = ATTENTION_NAME
+        yield len(configs)
+    finally:
+        for key, cfg in configs.items():
+            cfg._attn_implementation = previous[key]

@@ -1,0 +1,219 @@
+"""GACT levels beyond L1: swap with prefetch (L2), compressed checkpointing (CB1), chunked attention (CB2)."""
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_act as act
+from lightning_act.checkpoint import checkpoint
+from lightning_act.nn.attention import chunked_attention, use_chunked_attention
+from lightning_act.stats import COMPRESSED
+from lightning_act.swap import HostBufferPool, SwapStore
+
+transformers = pytest.importorskip("transformers")
+
+
+def mlp(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(dropout), nn.Linear(256, 256), nn.Tanh(),
+                         nn.Linear(256, 10))
+
+
+def flat_grad(model, loss_fn, compressor=None, seed=7):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if compressor is None:
+        loss = loss_fn()
+    else:
+        with compressor.compress():
+            loss = loss_fn()
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+# ---- L2: swap ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", ["L1", "L0"])
+def test_swap_gives_bit_identical_gradients(level):
+    model, x = mlp(0.2), torch.randn(128, 64)
+    loss_fn = lambda: model(x).square().mean()  # noqa: E731
+    plain = flat_grad(model, loss_fn, act.ActivationCompressor(model, act.ACTConfig(opt_level=level)))
+    swapping = act.ActivationCompressor(model, act.ACTConfig(opt_level=level, swap=True))
+    swapped = flat_grad(model, loss_fn, swapping)
+    assert torch.equal(plain, swapped)
+    stats = swapping.stats()
+    assert stats.offloaded_bytes > 0 and stats.device_bytes < stats.stored_bytes
+    assert all(r.offloaded for r in stats.records if r.kind == COMPRESSED)
+
+
+def test_swap_events_are_ordered_and_every_tensor_restored():
+    model, x = mlp(), torch.randn(128, 64)
+    compressor = act.ActivationCompressor(model, act.ACTConfig(opt_level="L2"))
+    compressor.swap_store = SwapStore(record_events=True)
+    flat_grad(model, lambda: model(x).sum(), compressor)
+    events = compressor.swap_store.events
+    swapped = {key for what, key in events if what == "swap_out"}
+    assert swapped and {key for what, key in events if what == "use"} == swapped  # every tensor came back
+    last_use: dict = {}
+    for position, (what, key) in enumerate(events):
+        if what != "use":
+            continue
+        # each use reads a copy brought in after the tensor was swapped out and after its previous use
+        arrivals = [i for i, (w, k) in enumerate(events[:position]) if k == key and w in ("swap_in", "prefetch")]
+        assert arrivals and arrivals[-1] > max(events.index(("swap_out", key)), last_use.get(key, -1))
+        last_use[key] = position
+    assert any(what == "prefetch" for what, _ in events)  # backward fetched ahead of use
+
+
+def test_host_buffers_reused_across_steps_and_pool_bounded():
+    model, x = mlp(), torch.randn(128, 64)
+    pool = HostBufferPool(max_idle_bytes=1 << 20)
+    compressor = act.ActivationCompressor(model, act.ACTConfig(opt_level="L2"))
+    compressor.swap_store = SwapStore(pool)
+    for _ in range(4):
+        flat_grad(model, lambda: model(x).sum(), compressor)
+        gc.collect()
+        assert pool.idle_bytes <= pool.max_idle_bytes
+    first_step_allocations = compressor.stats().count(COMPRESSED)
+    assert pool.allocations == first_step_allocations  # steps 2-4 reused step 1's buffers
+    assert pool.reuses == 3 * first_step_allocations
+
+
+def test_pool_frees_beyond_its_bound():
+    pool = HostBufferPool(max_idle_bytes=8192)
+    buffers = [pool.acquire(5000) for _ in range(4)]  # 8 KiB size class
+    for b in buffers:
+        pool.release(b)
+    assert pool.idle_bytes == 8192
+
+
+# ---- CB1: checkpointing + compression ------------------------------------------------------------------------
+class Segmented(nn.Module):
+    def __init__(self, dropout=0.1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Dropout(dropout))
+                                    for _ in range(3))
+        self.head = nn.Linear(128, 1)
+
+    def forward(self, x, use_checkpoint):
+        for block in self.blocks:
+            x = checkpoint(block, x) if use_checkpoint else block(x)
+        return self.head(x).sum()
+
+
+def test_checkpoint_without_compression_is_exact_even_with_dropout():
+    model, x = Segmented(), torch.randn(64, 128, requires_grad=True)
+    exact = flat_grad(model, lambda: model(x, False))
+    for compressor in (None, act.ActivationCompressor(model, act.ACTConfig(opt_level="L0"))):
+        assert torch.equal(exact, flat_grad(model, lambda: model(x, True), compressor))
+
+
+def test_checkpoint_compresses_segment_inputs_and_recomputed_tensors():
+    model, x = Segmented(dropout=0.0), torch.randn(64, 128)
+    reference = flat_grad(model, lambda: model(x, False), act.ActivationCompressor(model, act.ACTConfig()))
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    grads = flat_grad(model, lambda: model(x, True), compressor)
+    records = compressor.stats().records
+    forward = [r for r in records if r.phase == "forward" and r.kind == COMPRESSED]
+    recomputed = [r for r in records if r.phase == "recompute" and r.kind == COMPRESSED]
+    # 3 segment inputs (+ the head's input); the GELU input of every recomputed block (the recomputed linear
+    # inputs are the decompressed segment inputs, alive anyway during the recomputation: kept as they are)
+    assert len(forward) >= 3 and len(recomputed) >= 3
+    assert cosine(reference, grads) > 0.99
+
+
+def _bert(dropout=0.0, layers=2):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                  intermediate_size=256, max_position_embeddings=128, hidden_dropout_prob=dropout,
+                                  attention_probs_dropout_prob=dropout)
+    model = transformers.BertForSequenceClassification(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 500, (8, 48), generator=g), "labels": torch.randint(0, 2, (8,), generator=g)}
+    return model, batch
+
+
+def test_cb1_with_huggingface_gradient_checkpointing():
+    model, batch = _bert()
+    loss_fn = lambda: model(**batch).loss  # noqa: E731
+    no_ckpt = flat_grad(model, loss_fn, act.ActivationCompressor(model, act.ACTConfig(bits=4)))
+    model.gradient_checkpointing_enable()
+    alone = act.ActivationCompressor(model, act.ACTConfig(opt_level="L0"))
+    exact_ckpt = flat_grad(model, loss_fn, alone)
+    compressed = act.ActivationCompressor(model, act.ACTConfig(bits=4))
+    grads = flat_grad(model, loss_fn, compressed)
+    stats = compressed.stats()
+    assert sum(r.phase == "recompute" and r.kind == COMPRESSED for r in stats.records) >= 2 * 8
+    assert stats.device_bytes < alone.stats().device_bytes / 4
+    assert cosine(no_ckpt, grads) > 0.99 and cosine(exact_ckpt, grads) > 0.99
+    # the user's checkpointing function is back after the step
+    layer = model.bert.encoder.layer[0]
+    assert layer.gradient_checkpointing and "lightning_act" not in repr(layer._gradient_checkpointing_func)
+
+
+def test_cb1_level_checkpoints_hf_layers_for_the_step_only():
+    model, batch = _bert()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(opt_level="CB1"))
+    flat_grad(model, lambda: model(**batch).loss, compressor)
+    assert any(r.phase == "recompute" for r in compressor.stats().records)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_cb1_warns_when_nothing_to_checkpoint():
+    model = mlp()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(opt_level="CB1"))
+    with pytest.warns(UserWarning, match="has none; wrap segments with lightning_act.checkpoint"):
+        flat_grad(model, lambda: model(torch.randn(4, 64)).sum(), compressor)
+
+
+# ---- CB2: chunked attention ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("seq", [64, 100, 1, 33])
+@pytest.mark.parametrize("masked", [False, True])
+def test_chunked_attention_matches_standard(seq, masked):
+    torch.manual_seed(seq)
+    q, k, v = (torch.randn(2, 3, seq, 16, requires_grad=True) for _ in range(3))
+    mask = None
+    if masked:
+        mask = torch.zeros(2, 1, 1, seq)
+        mask[0, ..., seq // 2 + 1:] = float("-inf")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = chunked_attention(q, k, v, mask, query_chunk=32, key_chunk=16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_attention_rejects_bad_chunks():
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="query_chunk=0; expected an integer >= 1"):
+        chunked_attention(q, q, q, query_chunk=0)
+
+
+def test_cb2_bert_matches_eager_attention_and_restores_config():
+    model, batch = _bert(layers=2)
+    mask = torch.ones(8, 48, dtype=torch.long)
+    mask[0, 30:] = 0
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    expected = eager(input_ids=batch["input_ids"], attention_mask=mask).logits
+    with use_chunked_attention(model) as switched:
+        got = model(input_ids=batch["input_ids"], attention_mask=mask).logits
+    assert switched == 1 and model.config._attn_implementation != "act_chunked"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cb2_level_trains_bert_with_compression():
+    model, batch = _bert()
+    exact = flat_grad(model, lambda: model(**batch).loss)
+    compressor = act.ActivationCompressor(model, act.ACTConfig(opt_level="CB2"))
+    grads = flat_grad(model, lambda: model(**batch).loss, compressor)
+    assert cosine(exact, grads) > 0.98
+    assert compressor.stats().num_compressed > 0
+    assert model.config._attn_implementation != "act_chunked"
