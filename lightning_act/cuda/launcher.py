@@ -1,0 +1,112 @@
+"""Kernel launching shared by every backend that can run the ``.cu`` sources beside this file.
+
+Launch functions (e.g. :mod:`lightning_act.cuda.quantize`) check tensors, compute grid, block and dynamic shared
+memory, pack the kernel arguments as typed NumPy scalars (pointers as ``uint64`` data pointers: tensors are never
+copied) and hand all of it to a :class:`KernelRunner`. :class:`CupyRunner` runs it on a GPU; the test suite's
+emulator (``tests/cuda_emulation``) runs the very same source, grid and arguments on CPU threads.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+# NVRTC options; tests/test_nvcc_compile.py compiles with the same ones. Kernels use explicit __f*_rn ops
+# where the spec needs exact IEEE results; --fmad=false also keeps the compiler from contracting any other.
+NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")
+WARP_SIZE = 32
+Dim3 = tuple[int, int, int]
+
+
+def kernel_source(name: str) -> str:
+    """The text of a ``.cu`` file shipped in this package."""
+    return resources.files(__package__).joinpath(name).read_text()
+
+
+def kernel_source_path(name: str):
+    return resources.files(__package__).joinpath(name)
+
+
+class KernelRunner(Protocol):
+    """Something that runs a kernel of a shipped ``.cu`` file on tensors of one ``device_type``."""
+
+    device_type: str
+
+    def launch(self, source: str, kernel: str, grid: Dim3, block: Dim3, args: Sequence[np.generic],
+               shared_mem: int, device: torch.device) -> None: ...
+
+
+class CupyRunner:
+    """Runs kernels with CuPy: one ``RawModule`` per (source, device), compiled on first use, launched on the
+    current torch CUDA stream of the tensors' device, without host synchronisation."""
+
+    device_type = "cuda"
+
+    def __init__(self):
+        from . import require_cupy
+
+        self._cupy = require_cupy()
+        self._functions = {}
+
+    def _function(self, source: str, kernel: str, device_index: int):
+        cache_key = (source, kernel, device_index)
+        if cache_key not in self._functions:
+            # RawModule compiles lazily, on the current device, at its first get_function
+            module = self._cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS)
+            self._functions[cache_key] = module.get_function(kernel)
+        return self._functions[cache_key]
+
+    def launch(self, source, kernel, grid, block, args, shared_mem, device):
+        cp = self._cupy
+        with cp.cuda.Device(device.index):
+            function = self._function(source, kernel, device.index)
+            stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+            with stream:
+                function(grid, block, tuple(args), shared_mem=shared_mem)
+
+
+_default_runner: CupyRunner | None = None
+
+
+def default_runner() -> CupyRunner:
+    """The process-wide CuPy runner (its module cache is what "compiled once per device" means)."""
+    global _default_runner
+    if _default_runner is None:
+        _default_runner = CupyRunner()
+    return _default_runner
+
+
+def pointer(t: torch.Tensor) -> np.uint64:
+    """A tensor's data pointer as a kernel pointer argument."""
+    return np.uint64(t.data_ptr())
+
+
+def check_tensor(name: str, t: torch.Tensor, *, device: torch.device, dtypes: Sequence[torch.dtype],
+                 numel: int | None = None) -> None:
+    """Raise ValueError, saying what was given and what is allowed, unless ``t`` can be handed to a kernel."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}; got {t.device}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({allowed}); got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} must have {numel} elements; got {t.numel()}")
+
+
+def check_runner_device(runner: KernelRunner, device: torch.device) -> None:
+    if device.type != runner.device_type:
+        raise ValueError(f"tensors must be on a {runner.device_type} device for {type(runner).__name__}; "
+                         f"got {device}")
+
+
+def warps_grid(units: int, warps_per_block: int, max_blocks: int) -> tuple[Dim3, Dim3]:
+    """Grid and block for kernels that give each of ``units`` work items one warp (grid-stride beyond
+    ``max_blocks``)."""
+    blocks = min(-(-units // warps_per_block), max_blocks)
+    return (blocks, 1, 1), (warps_per_block * WARP_SIZE, 1, 1)

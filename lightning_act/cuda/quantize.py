@@ -1,0 +1,104 @@
+"""Launchers of ``quantize.cu``: the same signatures and bits as ``quantize_reference`` / ``dequantize_reference``.
+
+Both kernels give each group one warp. Encode stages the group in dynamic shared memory (read once, converted
+to float32), so a block holds at most ``SHARED_BYTES_PER_BLOCK`` of groups, which caps ``group_size``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import rng
+from ..codecs._bitpack import PACKABLE_BITS, packed_nbytes
+from .launcher import KernelRunner, check_runner_device, check_tensor, default_runner, pointer, warps_grid
+
+SOURCE = "quantize.cu"
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the .cu's DTYPE_* codes
+STATS_DTYPES = (torch.float32, torch.bfloat16)
+MAX_WARPS_PER_BLOCK = 8
+SHARED_BYTES_PER_BLOCK = 32 * 1024  # below the 48 KiB a kernel gets without opting in
+MAX_GROUP_SIZE = SHARED_BYTES_PER_BLOCK // 4
+# Grid cap; kernels grid-stride over the groups beyond it (tests lower it to exercise that loop).
+MAX_BLOCKS = 1 << 20
+
+
+def supports(bits: int, group_size: int) -> bool:
+    """Whether the kernels handle this format (the torch path handles every format)."""
+    return bits in PACKABLE_BITS and group_size % 32 == 0 and 32 <= group_size <= MAX_GROUP_SIZE
+
+
+def _check_format(bits: int, group_size: int, stats_dtype: torch.dtype) -> None:
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"bits={bits!r}; the CUDA kernels take one of {', '.join(map(str, PACKABLE_BITS))}")
+    if not supports(bits, group_size):
+        raise ValueError(f"group_size={group_size!r}; the CUDA kernels take a multiple of 32 in "
+                         f"[32, {MAX_GROUP_SIZE}]")
+    if stats_dtype not in STATS_DTYPES:
+        raise ValueError(f"stats_dtype={stats_dtype}; expected torch.float32 or torch.bfloat16")
+
+
+def _check_packed(payload, mn, step, numel: int, bits: int, group_size: int, device: torch.device) -> None:
+    """The encoded form, shared by encode (its outputs) and decode (its inputs)."""
+    groups = -(-numel // group_size)
+    check_tensor("payload", payload, device=device, dtypes=(torch.uint8,), numel=packed_nbytes(numel, bits))
+    check_tensor("mn", mn, device=device, dtypes=STATS_DTYPES, numel=groups)
+    check_tensor("step", step, device=device, dtypes=(mn.dtype,), numel=groups)
+
+
+def _launch_config(numel: int, group_size: int, staged: bool):
+    """(grid, block, shared bytes): one warp per group, as many warps per block as the stage allows."""
+    groups = -(-numel // group_size)
+    warps = min(MAX_WARPS_PER_BLOCK, groups)
+    if staged:
+        warps = max(1, min(warps, SHARED_BYTES_PER_BLOCK // (4 * group_size)))
+    grid, block = warps_grid(groups, warps, MAX_BLOCKS)
+    return grid, block, (4 * group_size * warps if staged else 0)
+
+
+def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int, *,
+                  runner: KernelRunner | None = None, out=None):
+    """Encode kernel: ``(payload uint8, mn, step)`` bit-identical to ``quantize_reference``.
+
+    ``x`` must be contiguous; ``out`` may give preallocated ``(payload, mn, step)``."""
+    runner = runner or default_runner()
+    _check_format(bits, group_size, stats_dtype)
+    check_runner_device(runner, x.device)
+    check_tensor("x", x, device=x.device, dtypes=tuple(DTYPE_CODES))
+    numel = x.numel()
+    if out is None:
+        out = (torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=x.device),
+               *(torch.empty(-(-numel // group_size), dtype=stats_dtype, device=x.device) for _ in range(2)))
+    payload, mn, step = out
+    _check_packed(payload, mn, step, numel, bits, group_size, x.device)
+    if mn.dtype != stats_dtype:
+        raise ValueError(f"mn and step must have dtype {stats_dtype}; got {mn.dtype}")
+    if payload.data_ptr() % 4:
+        raise ValueError(f"payload must be 4-byte aligned (encode writes 32-bit words); got data_ptr % 4 == "
+                         f"{payload.data_ptr() % 4}")
+    if numel:
+        grid, block, shared = _launch_config(numel, group_size, staged=True)
+        args = (pointer(x), np.int32(DTYPE_CODES[x.dtype]), np.int64(numel), np.int32(bits), np.int32(group_size),
+                np.uint32(rng.stream_base(seed, key)), pointer(payload), pointer(mn), pointer(step),
+                np.int32(DTYPE_CODES[stats_dtype]))
+        runner.launch(SOURCE, "quantize_encode", grid, block, args, shared, x.device)
+    return payload, mn, step
+
+
+def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel: int, bits: int,
+                    group_size: int, dtype: torch.dtype, *, runner: KernelRunner | None = None, out=None):
+    """Decode kernel: a flat tensor of ``numel`` elements in ``dtype``, bit-identical to ``dequantize_reference``."""
+    runner = runner or default_runner()
+    device = payload.device
+    _check_format(bits, group_size, mn.dtype)
+    check_runner_device(runner, device)
+    _check_packed(payload, mn, step, numel, bits, group_size, device)
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype={dtype}; expected one of {', '.join(map(str, DTYPE_CODES))}")
+    out = torch.empty(numel, dtype=dtype, device=device) if out is None else out
+    check_tensor("out", out, device=device, dtypes=(dtype,), numel=numel)
+    if numel:
+        grid, block, shared = _launch_config(numel, group_size, staged=False)
+        args = (pointer(payload), pointer(mn), pointer(step), np.int32(DTYPE_CODES[mn.dtype]), np.int64(numel),
+                np.int32(bits), np.int32(group_size), pointer(out), np.int32(DTYPE_CODES[dtype]))
+        runner.launch(SOURCE, "quantize_decode", grid, block, args, shared, device)
+    return out
