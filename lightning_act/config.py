@@ -131,6 +131,8 @@ class ACTConfig:
                     "seed": self.seed, "backend": self.backend}
         if self.codec == "none":
             return {}
+        if self.codec == "division":  # block size and residual bits keep DIVISION's defaults (B=8, Q=2)
+            return {"seed": self.seed, "backend": self.backend}
         options: dict[str, Any] = {}
         if self.error_bound is not None:
             options["error_bound"] = self.error_bound

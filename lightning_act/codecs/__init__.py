@@ -32,6 +32,6 @@ def get(name: str, **options) -> Codec:
 
 
 # Registration happens at import of each codec module.
-from . import bitmask, lorenzo, passthrough, quantize  # noqa: E402,F401
+from . import bitmask, division, lorenzo, masks, passthrough, quantize  # noqa: E402,F401
 
 __all__ = ["Codec", "Packed", "available", "get", "register"]

@@ -1,0 +1,228 @@
+"""Lossless few-bit forms of saved tensors whose backward reads little (DIVISION appendix J): ReLU signs,
+dropout masks and max-pool argmax indices.
+
+How the engine learns which op saved a tensor: a ``TorchFunctionMode`` (``lightning_act.optrack``) records
+the torch function call that is running while autograd packs its saved tensors, and the rules registered
+here (``op_codecs.register_op_rule``) map those functions to the codecs below. Chosen over the
+alternatives because a saved tensor's ``grad_fn`` cannot tell a ReLU saving its output from the next layer
+saving the same tensor as input, and replacing modules misses functional calls (``F.relu``, ``x.relu()``)
+and rewrites user models; the mode sees ``nn.ReLU``, ``F.relu``, ``torch.relu`` and ``Tensor.relu_`` alike
+(the outermost call is reported: ``nn.ReLU`` shows up as ``F.relu``), with the call's arguments (the
+max-pool geometry). The engine keys its de-duplication by codec, so a ReLU output the next layer also
+saves is stored twice: 1 bit for the ReLU, the values for the layer.
+
+- ``positive_mask``: ``x > 0`` at 1 bit, decoded as 1/0. ReLU saves its output and its backward reads only
+  ``result > 0`` (leaky ReLU reads ``input > 0`` or ``result > 0``), so gradients are bit-identical.
+- ``scaled_mask``: a tensor whose non-zeros all equal one value ``s`` (CPU dropout saves its float noise,
+  0 or ``1/(1-p)``) as 1 bit per element + ``s``; exact. CUDA dropout saves a bool mask: the engine's
+  default ``bitmask`` codec takes it.
+- ``maxpool_index``: max-pool's int64 argmax (flat index in the input plane) as its offset inside its
+  pooling window, ``ceil(log2(window))`` bit-planes of 1 bit per element; decoded back to the exact flat
+  index from the pooling geometry. The pooled input itself goes to the default codec.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import op_codecs
+from .._validate import check_choice
+from . import register
+from ._bitpack import pack_codes, packed_nbytes, unpack_codes
+from .base import Codec, Packed
+
+
+def _float_input(codec: str, x: torch.Tensor) -> None:
+    if not x.is_floating_point():
+        raise ValueError(f"{codec} codec takes floating-point tensors; got dtype={x.dtype}")
+
+
+@register
+class PositiveMaskCodec(Codec):
+    """``x > 0`` at 1 bit per element, decoded as 1 where positive, else 0 (what ReLU's backward reads)."""
+
+    name = "positive_mask"
+    lossless = True  # for the sign pattern, all that ReLU's backward reads
+
+    def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
+        _float_input(self.name, x)
+        bits = pack_codes((x > 0).reshape(-1).view(torch.uint8), 1)
+        return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits})
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        return unpack_codes(packed.buffers["bits"], 1, packed.numel).to(packed.dtype).view(packed.shape)
+
+    def bits_per_element(self, x: torch.Tensor) -> float:
+        return 1.0
+
+
+@register
+class ScaledMaskCodec(Codec):
+    """A tensor whose non-zero elements all equal one value (dropout noise) as 1 bit per element + that value."""
+
+    name = "scaled_mask"
+    lossless = True
+
+    def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
+        _float_input(self.name, x)
+        flat = x.reshape(-1)
+        nonzero = flat != 0
+        scale = flat[nonzero.to(torch.uint8).argmax()].reshape(1) if flat.numel() else flat.new_zeros(1)
+        if not torch.equal(torch.where(nonzero, scale, flat.new_zeros(())), flat):
+            raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one value; got "
+                             f"a tensor of shape {list(x.shape)} with several non-zero values")
+        bits = pack_codes(nonzero.view(torch.uint8), 1)
+        return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits, "scale": scale})
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        nonzero = unpack_codes(packed.buffers["bits"], 1, packed.numel).view(torch.bool)
+        scale = packed.buffers["scale"]
+        return torch.where(nonzero, scale, scale.new_zeros(())).view(packed.shape)
+
+    def bits_per_element(self, x: torch.Tensor) -> float:
+        return 1.0
+
+
+def _int_tuple(field: str, value: Any, ndim: int, minimum: int) -> tuple[int, ...]:
+    """An int or a sequence of ``ndim`` ints (one int is broadcast, as torch does), each ``>= minimum``."""
+    values = (value,) if isinstance(value, int) else tuple(value) if isinstance(value, (tuple, list)) else None
+    if values is not None and len(values) == 1:
+        values = values * ndim
+    if values is None or len(values) != ndim or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values):
+        raise ValueError(f"{field}={value!r}; expected an integer >= {minimum} or {ndim} of them")
+    return values
+
+
+def _pooled_size(size: int, kernel: int, stride: int, padding: int, dilation: int, ceil_mode: bool) -> int:
+    """Output length of one pooled dim, as ATen's ``pooling_output_shape`` computes it."""
+    out = (size + 2 * padding - dilation * (kernel - 1) - 1 + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1  # the last window must start inside the input or its left padding
+    return out
+
+
+def _unravel(flat: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    coords = []
+    for s in reversed(sizes):
+        coords.append(flat % s)
+        flat = flat // s
+    return coords[::-1]
+
+
+def _ravel(coords: list[torch.Tensor], sizes: tuple[int, ...]) -> torch.Tensor:
+    flat = coords[0]
+    for c, s in zip(coords[1:], sizes[1:]):
+        flat = flat * s + c
+    return flat
+
+
+@register
+class MaxPoolIndexCodec(Codec):
+    """Max-pool argmax indices as window-local offsets in ``ceil(log2(window))`` bits per element.
+
+    Args:
+        kernel_size, stride, padding, dilation, ceil_mode: the pooling's arguments (``stride=None`` = kernel).
+        input_size: the pooled input's spatial size (1, 2 or 3 dims); the flat indices refer to it.
+    """
+
+    name = "maxpool_index"
+    lossless = True
+
+    def __init__(self, kernel_size, input_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False):
+        if isinstance(input_size, int):
+            input_size = (input_size,)
+        if not isinstance(input_size, (tuple, list, torch.Size)) or not 1 <= len(input_size) <= 3:
+            raise ValueError(f"input_size={input_size!r}; expected 1, 2 or 3 spatial sizes")
+        nd = len(input_size)
+        self.input_size = _int_tuple("input_size", tuple(input_size), nd, 1)
+        self.kernel_size = _int_tuple("kernel_size", kernel_size, nd, 1)
+        self.stride = _int_tuple("stride", self.kernel_size if stride is None else stride, nd, 1)
+        self.padding = _int_tuple("padding", padding, nd, 0)
+        self.dilation = _int_tuple("dilation", dilation, nd, 1)
+        check_choice("ceil_mode", ceil_mode, (False, True))
+        self.output_size = tuple(_pooled_size(*a, ceil_mode) for a in zip(
+            self.input_size, self.kernel_size, self.stride, self.padding, self.dilation))
+        if min(self.output_size) < 1:
+            raise ValueError(f"kernel_size={self.kernel_size}, padding={self.padding}, dilation={self.dilation} "
+                             f"give no output for input_size={self.input_size}; expected a window that fits")
+        self.window = math.prod(self.kernel_size)
+        self.bits = (self.window - 1).bit_length()
+
+    def _window_starts(self, device: torch.device) -> list[torch.Tensor]:
+        """Per output position (row-major over ``output_size``), the first input coordinate of its window."""
+        positions = torch.arange(math.prod(self.output_size), device=device)
+        return [o * s - p for o, s, p in zip(_unravel(positions, self.output_size), self.stride, self.padding)]
+
+    def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
+        per_plane = math.prod(self.output_size)
+        if x.dtype != torch.int64 or x.numel() % per_plane:
+            raise ValueError(f"maxpool_index codec takes int64 tensors of whole {list(self.output_size)} output "
+                             f"planes; got dtype={x.dtype} with {x.numel()} elements")
+        index = x.reshape(-1, per_plane)
+        offsets = [c - start for c, start in
+                   zip(_unravel(index, self.input_size), self._window_starts(x.device))]
+        taps = [off // d for off, d in zip(offsets, self.dilation)]
+        inside = all(bool(((off % d == 0) & (t >= 0) & (t < k)).all())
+                     for off, d, t, k in zip(offsets, self.dilation, taps, self.kernel_size))
+        if not inside:
+            raise ValueError(f"maxpool_index codec: an index lies outside its pooling window (kernel_size="
+                             f"{self.kernel_size}, stride={self.stride}, padding={self.padding}, dilation="
+                             f"{self.dilation}, input_size={self.input_size})")
+        local = _ravel(taps, self.kernel_size).reshape(-1)
+        planes = [pack_codes(((local >> b) & 1).to(torch.uint8), 1) for b in range(self.bits)]
+        stacked = torch.stack(planes) if planes else x.new_empty((0, packed_nbytes(x.numel(), 1)), dtype=torch.uint8)
+        return Packed(self.name, x.shape, x.dtype, x.device, {"planes": stacked})
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        local = torch.zeros(packed.numel, dtype=torch.int64, device=packed.device)
+        for b, plane in enumerate(packed.buffers["planes"]):
+            local |= unpack_codes(plane, 1, packed.numel).to(torch.int64) << b
+        taps = _unravel(local.view(-1, math.prod(self.output_size)), self.kernel_size)
+        coords = [start + t * d for start, t, d in zip(self._window_starts(packed.device), taps, self.dilation)]
+        return _ravel(coords, self.input_size).view(packed.shape)
+
+    def bits_per_element(self, x: torch.Tensor) -> float:
+        return float(self.bits)
+
+
+# ---- which op saved the tensor -> codec ---------------------------------------------------------------------
+_POSITIVE_MASK = PositiveMaskCodec()
+_SCALED_MASK = ScaledMaskCodec()
+_POOL_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
+_POOL_DIMS = {
+    F.max_pool1d: 1, F.max_pool1d_with_indices: 1, torch.max_pool1d: 1, torch.max_pool1d_with_indices: 1,
+    F.max_pool2d: 2, F.max_pool2d_with_indices: 2, torch.max_pool2d: 2,
+    F.max_pool3d: 3, F.max_pool3d_with_indices: 3, torch.max_pool3d: 3,
+}
+
+
+def _positive_mask_rule(t: torch.Tensor, call) -> Codec | None:
+    return _POSITIVE_MASK if t.is_floating_point() else None
+
+
+def _dropout_rule(t: torch.Tensor, call) -> Codec | None:
+    # CPU dropout saves float noise; CUDA's native_dropout saves a bool mask, left to the bitmask codec
+    return _SCALED_MASK if t.is_floating_point() else None
+
+
+def _max_pool_rule(t: torch.Tensor, call) -> Codec | None:
+    if t.dtype != torch.int64:
+        return None  # the pooled input: default codec
+    args = dict(zip(_POOL_ARGS, call.args), **call.kwargs)
+    nd = _POOL_DIMS[call.func]
+    return MaxPoolIndexCodec(args["kernel_size"], tuple(args["input"].shape[-nd:]), args.get("stride") or None,
+                             args.get("padding", 0), args.get("dilation", 1), bool(args.get("ceil_mode", False)))
+
+
+op_codecs.register_op_rule(
+    (F.relu, torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, F.leaky_relu, F.leaky_relu_),
+    _positive_mask_rule)
+op_codecs.register_op_rule(
+    (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout, torch.dropout_, torch.feature_dropout,
+     torch.feature_dropout_),
+    _dropout_rule)
+op_codecs.register_op_rule(tuple(_POOL_DIMS), _max_pool_rule)
