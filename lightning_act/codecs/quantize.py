@@ -29,13 +29,19 @@ BACKENDS = ("auto", "torch", "cupy")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _div_levels(d: torch.Tensor, levels: int) -> torch.Tensor:
+    """``d / levels`` as one IEEE division on every device: on CUDA, torch turns division by a Python scalar
+    into a multiplication by its reciprocal (off by one ulp for levels 3, 15, 255), a tensor divisor it does not."""
+    return d / torch.full_like(d, levels)
+
+
 def _round_stats(mn: torch.Tensor, mx: torch.Tensor, levels: int, dtype: torch.dtype):
     """Group statistics in the stored dtype: mn rounded down, step rounded up (float32: exact)."""
     if dtype == torch.float32:
-        return mn, (mx - mn) / levels
+        return mn, _div_levels(mx - mn, levels)
     mn_s = mn.to(dtype)
     mn_s = torch.where(mn_s.float() > mn, torch.nextafter(mn_s, mn_s.new_tensor(float("-inf"))), mn_s)
-    step = (mx - mn_s.float()) / levels
+    step = _div_levels(mx - mn_s.float(), levels)
     step_s = step.to(dtype)
     step_s = torch.where(step_s.float() < step, torch.nextafter(step_s, step_s.new_tensor(float("inf"))), step_s)
     return mn_s, step_s
@@ -121,7 +127,13 @@ class QuantizeCodec(Codec):
             return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.contiguous()}, {"bits": self.bits})
         if self.bits == 16:
             return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.to(torch.bfloat16)}, {"bits": 16})
-        payload, mn, step = quantize_reference(x, self.bits, self.group_size, self.stats_dtype, self.seed, key)
+        if self._use_cupy(x):
+            from ..cuda.quantize import quantize_cuda
+
+            payload, mn, step = quantize_cuda(x.contiguous(), self.bits, self.group_size, self.stats_dtype,
+                                              self.seed, key)
+        else:
+            payload, mn, step = quantize_reference(x, self.bits, self.group_size, self.stats_dtype, self.seed, key)
         return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "mn": mn, "step": step},
                       {"bits": self.bits, "group_size": self.group_size})
 
@@ -129,9 +141,28 @@ class QuantizeCodec(Codec):
         if "raw" in packed.buffers:
             return packed.buffers["raw"].to(packed.dtype).view(packed.shape)
         b = packed.buffers
-        flat = dequantize_reference(b["payload"], b["mn"], b["step"], packed.numel, packed.meta["bits"],
-                                    packed.meta["group_size"], packed.dtype)
-        return flat.view(packed.shape)
+        args = (b["payload"], b["mn"], b["step"], packed.numel, packed.meta["bits"], packed.meta["group_size"],
+                packed.dtype)
+        if self._use_cupy(b["payload"]):
+            from ..cuda.quantize import dequantize_cuda
+
+            return dequantize_cuda(*args).view(packed.shape)
+        return dequantize_reference(*args).view(packed.shape)
+
+    def _use_cupy(self, t: torch.Tensor) -> bool:
+        """Whether the CuPy kernels handle ``t``: never with backend='torch'; always with 'cupy' (a CUDA tensor is
+        then required); with 'auto' for CUDA tensors when CuPy imports and the kernels take this format."""
+        if self.backend == "torch":
+            return False
+        if self.backend == "cupy":
+            if t.device.type != "cuda":
+                raise ValueError(f"backend='cupy' runs on CUDA tensors; got a tensor on {t.device} "
+                                 f"(use backend='auto' or 'torch' for CPU tensors)")
+            return True
+        from ..cuda import cupy_available
+        from ..cuda.quantize import supports
+
+        return t.is_cuda and supports(self.bits, self.group_size) and cupy_available()
 
     def bits_per_element(self, x: torch.Tensor) -> float:
         if self.bits in PACKABLE_BITS:
