@@ -1,1 +1,5 @@
 """Modules that save memory by changing how layers execute (LR-CNN row-centric stacks, BLPA blocks)."""
+
+from lightning_act.nn.row_centric import Residual, RowCentric
+
+__all__ = ["Residual", "RowCentric"]
