@@ -25,14 +25,17 @@ Blocks of 32 consecutive codes of the flattened tensor (the last is zero-padded)
 ties to the lower mode number:
 
     mode 0  raw codes   v[i] = q[i]
-    mode 1  Lorenzo     v[0] = q[0], v[i] = q[i] - q[i-1]          (1D prediction along the contiguous dim)
+    mode 1  Lorenzo     v[0] = 0, v[i] = q[i] - q[i-1]             (1D prediction along the contiguous dim;
+                        q[0], the lead value, is stored in the fewest bytes f = 1..4 of two's complement)
     mode 2  sparse      the nonzero codes only (ReLU-heavy blocks)
 
 ``w`` = bit length of max |v| (0..31), ``s`` = 1 if any v < 0.
-Header: one uint16 per block, ``w | s << 5 | mode << 6 | k << 8`` (k = nonzero codes, sparse mode only).
+Header: one uint16 per block, ``w | s << 5 | mode << 6 | k << 8 | (f - 1) << 14`` (k = nonzero codes in
+sparse mode, f = lead-value bytes in Lorenzo mode, else both 0).
 Payload, 32-bit little-endian words where lane i is bit i:
 
-    dense (mode 0/1): [sign word if s] + w magnitude bit-planes      -> 4 * (w + s) bytes (0 if w = 0)
+    raw (mode 0):     [sign word if s] + w magnitude bit-planes      -> 4 * (w + s) bytes (0 if w = 0)
+    Lorenzo (mode 1): f lead-value bytes, then as raw                -> f + 4 * (w + s) bytes
     sparse (mode 2):  nonzero-lane mask word + a bit stream where plane p (sign first if s, then magnitude
                       bits) of the j-th nonzero code is bit p * k + j  -> 4 + ceil(k * (w + s) / 8) bytes
 
@@ -104,12 +107,6 @@ def prequantize(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[to
     return q.to(torch.int32), escape
 
 
-def _select_bytes(rows: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """Concatenate the first ``sizes[b]`` bytes of each row of a (blocks, bytes) uint8 tensor."""
-    keep = torch.arange(rows.shape[1], device=rows.device)[None, :] < sizes[:, None]
-    return rows[keep]
-
-
 def _bit_length(mag: torch.Tensor) -> torch.Tensor:
     """Bit length of non-negative integers below 2**31 (0 for 0), exact through float64."""
     _, exponent = torch.frexp(mag.double())
@@ -153,12 +150,19 @@ def _sparse_positions(k: torch.Tensor, nonzero: torch.Tensor, rows: int) -> torc
     return (plane * k[:, None, None] + rank[:, None, :]).clamp(min=0)
 
 
+def _lead_bytes(first: torch.Tensor) -> torch.Tensor:
+    """Bytes (1..4) of the shortest little-endian two's complement form of each int32 ``first``."""
+    magnitude = torch.where(first < 0, -(first.to(torch.int64) + 1), first.to(torch.int64))
+    return _bit_length(magnitude) // 8 + 1
+
+
 def encode_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Headers (int16 storage of the uint16 headers) and payload bytes of a flat int32 code tensor."""
     pad = (-q.numel()) % BLOCK
     codes = torch.cat([q, q.new_zeros(pad)]).view(-1, BLOCK)
-    deltas = codes.clone()
-    deltas[:, 1:] -= codes[:, :-1]
+    deltas = torch.zeros_like(codes)  # lane 0 holds no delta: its code is the block's lead value
+    deltas[:, 1:] = codes[:, 1:] - codes[:, :-1]
+    lead = _lead_bytes(codes[:, 0])
 
     nonzero = codes != 0
     k = nonzero.sum(dim=1)
@@ -168,23 +172,27 @@ def encode_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s_delta = (deltas < 0).any(dim=1)
     cost = torch.stack([
         4 * (w_raw + s_raw),
-        4 * (w_delta + s_delta),
+        lead + 4 * (w_delta + s_delta),
         torch.where(k > 0, 4 + (k * (w_raw + s_raw) + 7) // 8, 1 << 30),
     ], dim=1)
     sizes, mode = cost.min(dim=1)  # first minimum: ties go to the lower mode
     use_delta = mode == MODE_LORENZO
     w = torch.where(use_delta, w_delta, w_raw)
     s = torch.where(use_delta, s_delta, s_raw)
-    header = w | (s.to(torch.int64) << 5) | (mode << 6) | (torch.where(mode == MODE_SPARSE, k, 0) << 8)
-    header = header.to(torch.int16)
-    rows = int((w + s).max()) if codes.numel() else 0
-    if rows == 0:
+    header = (w | (s.to(torch.int64) << 5) | (mode << 6) | (torch.where(mode == MODE_SPARSE, k, 0) << 8)
+              | (torch.where(use_delta, lead - 1, 0) << 14))
+    header = header.to(torch.int32).to(torch.int16)  # the uint16 bit pattern
+    if not bool((sizes > 0).any()):
         return header, q.new_zeros(0, dtype=torch.uint8)
 
+    # row layout: 4 bytes of the lead value, then the plane region (dense planes or sparse mask + stream)
+    rows = max(int((w + s).max()), 1)
     values = torch.where(use_delta[:, None], deltas, codes)
     planes = _planes(values, s, rows)
-    out = torch.zeros(codes.shape[0], 4 * rows + 4, dtype=torch.uint8, device=q.device)
-    out[:, : 4 * rows] = _bytes_of_bits(planes.reshape(codes.shape[0], -1))
+    out = torch.zeros(codes.shape[0], 4 * rows + 8, dtype=torch.uint8, device=q.device)
+    byte = torch.arange(4, device=q.device)
+    out[:, :4] = ((codes[:, :1].to(torch.int64) >> (8 * byte)) & 255).to(torch.uint8)
+    out[:, 4: 4 * rows + 4] = _bytes_of_bits(planes.reshape(codes.shape[0], -1))
     sparse = (mode == MODE_SPARSE).nonzero().view(-1)
     if sparse.numel():
         ks, lanes = k[sparse], nonzero[sparse]
@@ -192,31 +200,45 @@ def encode_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         position = _sparse_positions(ks, lanes, rows)
         stream.scatter_add_(1, position.reshape(sparse.numel(), -1),
                             (planes[sparse] * lanes[:, None, :]).reshape(sparse.numel(), -1))
-        out[sparse] = _bytes_of_bits(torch.cat([lanes.to(torch.uint8), stream], dim=1))
-    return header, _select_bytes(out, sizes)
+        out[sparse, 4:] = _bytes_of_bits(torch.cat([lanes.to(torch.uint8), stream], dim=1))
+    lead_used = torch.where(use_delta, lead, 0)
+    column = torch.arange(out.shape[1], device=q.device)[None, :]
+    keep = (column < lead_used[:, None]) | ((column >= 4) & (column - 4 < (sizes - lead_used)[:, None]))
+    return header, out[keep]
 
 
-def block_sizes(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                torch.Tensor]:
-    """``(sizes, w, s, mode, k)`` of each block (int64), from the uint16 headers alone."""
+def block_sizes(header: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(sizes, w, s, mode, k, lead)`` of each block (int64), from the uint16 headers alone (``lead``: bytes
+    of the lead value, Lorenzo blocks only)."""
     h = header.to(torch.int64) & 0xFFFF
     w, s, mode, k = h & 31, (h >> 5) & 1, (h >> 6) & 3, (h >> 8) & 63
-    dense = 4 * (w + s)
+    lead = torch.where(mode == MODE_LORENZO, (h >> 14) + 1, 0)
+    dense = lead + 4 * (w + s)
     sparse = 4 + (k * (w + s) + 7) // 8
-    return torch.where(mode == MODE_SPARSE, sparse, dense), w, s, mode, k
+    return torch.where(mode == MODE_SPARSE, sparse, dense), w, s, mode, k, lead
 
 
 def decode_blocks(header: torch.Tensor, payload: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`encode_blocks`: ``numel`` int32 codes."""
-    sizes, w, s, mode, k = block_sizes(header)
+    sizes, w, s, mode, k, lead = block_sizes(header)
     blocks = sizes.numel()
-    width = 4 * -(-int(sizes.max()) // 4) if blocks else 0
-    if width == 0:
+    region = sizes - lead
+    if not blocks or not bool((sizes > 0).any()):
         return torch.zeros(numel, dtype=torch.int32, device=header.device)
     offsets = torch.cumsum(sizes, 0) - sizes
-    lane = torch.arange(width, device=header.device)
-    index = (offsets[:, None] + lane[None, :]).clamp(max=max(payload.numel() - 1, 0))
-    rows = torch.where(lane[None, :] < sizes[:, None], payload[index], 0).to(torch.uint8)
+    last = payload.numel() - 1
+
+    def gather(start, count, limit):
+        column = torch.arange(count, device=header.device)[None, :]
+        index = (start[:, None] + column).clamp(max=last)
+        return torch.where(column < limit[:, None], payload[index], 0).to(torch.int64)
+
+    lead_bytes = gather(offsets, 4, lead)
+    lead_value = (lead_bytes << (8 * torch.arange(4, device=header.device))).sum(dim=1)
+    lead_bits = 8 * lead.clamp(min=1)
+    lead_value = torch.where(lead_value >= (1 << (lead_bits - 1)), lead_value - (1 << lead_bits), lead_value)
+    width = 4 * max(-(-int(region.max()) // 4), 1)
+    rows = gather(offsets + lead, width, region).to(torch.uint8)
     planes = _bits_of_bytes(rows).view(blocks, width // 4, BLOCK)  # rows past w + s are zero: masked bytes
     values = _magnitudes(planes, s)
 
@@ -231,8 +253,9 @@ def decode_blocks(header: torch.Tensor, payload: torch.Tensor, numel: int) -> to
         in_stream = torch.arange(used, device=header.device)[None, :] < (ws + ss)[:, None]
         sparse_planes = sparse_planes * lanes[:, None, :] * in_stream[:, :, None]
         values[sparse] = _magnitudes(sparse_planes, ss)
-    codes = torch.where((mode == MODE_LORENZO)[:, None], values.cumsum(dim=1, dtype=torch.int32), values)
-    return codes.reshape(-1)[:numel]
+    lorenzo = lead_value[:, None] + values.cumsum(dim=1, dtype=torch.int64)
+    codes = torch.where((mode == MODE_LORENZO)[:, None], lorenzo, values)
+    return codes.reshape(-1)[:numel].to(torch.int32)
 
 
 def _split_chunks(numel: int) -> list[tuple[int, int]]:

@@ -1,0 +1,235 @@
+"""The ``lorenzo`` codec: strict error bound, zero preservation, non-finite values, exact sizes, block modes."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lightning_act as act
+from lightning_act.codecs import lorenzo
+from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, block_sizes, decode_blocks,
+                                          encode_blocks, index_dtype, working_bound)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def assert_guarantees(x: torch.Tensor, y: torch.Tensor, error_bound: float) -> None:
+    """Bound on every finite element (exact, in float64), zeros preserved, non-finite values bit for bit."""
+    assert (y.shape, y.dtype, y.device) == (x.shape, x.dtype, x.device)
+    xd, yd = x.double().reshape(-1), y.double().reshape(-1)
+    finite = torch.isfinite(xd)
+    err = (xd - yd).abs()[finite]
+    assert torch.all(err <= error_bound), f"max error {err.max().item()!r} > {error_bound!r}"
+    small = finite & (xd.abs() <= error_bound)
+    assert torch.all(yd[small] == 0), "a value within the bound did not decode to 0"
+    bits_x = x.reshape(-1).view(INT_VIEW[x.dtype])
+    bits_y = y.reshape(-1).view(INT_VIEW[x.dtype])
+    assert torch.equal(bits_x[~finite], bits_y[~finite]), "NaN/Inf not preserved bit for bit"
+
+
+def round_trip(x: torch.Tensor, error_bound: float):
+    codec = act.codecs.get("lorenzo", error_bound=error_bound)
+    packed = codec.encode(x)
+    return packed, codec.decode(packed)
+
+
+def adversarial_values(error_bound: float, dtype: torch.dtype, count: int, seed: int) -> torch.Tensor:
+    """Grid points k * step and midpoints, +-1 ulp, the bound itself, denormals, huge values, -0.0, NaN/Inf."""
+    eb, step, _ = working_bound(error_bound)
+    gen = np.random.default_rng(seed)
+    k = gen.integers(-1000, 1000, count).astype(np.float32)
+    grid = np.concatenate([k * np.float32(step), (k + np.float32(0.5)) * np.float32(step)]).astype(np.float32)
+    grid = np.concatenate([grid, np.nextafter(grid, np.float32(np.inf)), np.nextafter(grid, np.float32(-np.inf))])
+    special = np.array([eb, -eb, np.nextafter(np.float32(eb), np.float32(1)), 1e-45, -1e-45, 1.2e-38, 0.0, -0.0,
+                        3.0e38, -3.0e38, 65504.0, 1e20, np.nan, np.inf, -np.inf], dtype=np.float32)
+    values = torch.from_numpy(np.concatenate([grid, special]))
+    return values[torch.from_numpy(gen.permutation(values.numel()))].to(dtype)
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    error_bound = 10 ** draw(st.floats(-6, -1))
+    numel = draw(st.integers(0, 300))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    kind = draw(st.sampled_from(["normal", "relu", "smooth", "constant", "adversarial", "mixed"]))
+    scale = 10 ** draw(st.floats(-7, 4))
+    if kind == "normal":
+        x = torch.randn(numel, generator=gen) * scale
+    elif kind == "relu":
+        x = torch.relu(torch.randn(numel, generator=gen)) * scale
+    elif kind == "smooth":
+        x = torch.cumsum(torch.randn(numel, generator=gen) * error_bound, 0) * scale
+    elif kind == "constant":
+        x = torch.full((numel,), draw(st.floats(-1e6, 1e6)))
+    elif kind == "adversarial":
+        x = adversarial_values(error_bound, torch.float32, numel // 4 + 1, seed)[:numel].float()
+    else:
+        x = torch.randn(numel, generator=gen) * scale
+        special = adversarial_values(error_bound, torch.float32, 4, seed)
+        positions = torch.randint(0, max(numel, 1), (special.numel(),), generator=gen)
+        if numel:
+            x[positions] = special
+    return x.to(dtype), error_bound
+
+
+@settings(max_examples=150, deadline=None)
+@given(tensors())
+def test_property_bound_zeros_and_non_finite_hold(case):
+    x, error_bound = case
+    packed, y = round_trip(x, error_bound)
+    assert_guarantees(x, y, error_bound)
+    assert packed.nbytes <= x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("error_bound", [1e-6, 1e-4, 1e-2, 1e-1])
+def test_adversarial_values_hold_the_bound(dtype, error_bound):
+    x = adversarial_values(error_bound, dtype, 2000, seed=3)
+    assert_guarantees(x, round_trip(x, error_bound)[1], error_bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0,), (1,), (31,), (33,), (7, 37), (2, 3, 65)])
+def test_odd_shapes_round_trip(dtype, shape):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 2).to(dtype)
+    packed, y = round_trip(x, 1e-3)
+    assert_guarantees(x, y, 1e-3)
+    assert packed.nbytes == sum(b.numel() * b.element_size() for b in packed.buffers.values())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_input(dtype):
+    torch.manual_seed(1)
+    x = torch.randn(40, 70).to(dtype).t()[::2]
+    assert not x.is_contiguous()
+    assert_guarantees(x, round_trip(x, 1e-2)[1], 1e-2)
+
+
+def test_stored_size_is_headers_payload_and_escapes():
+    torch.manual_seed(2)
+    x = torch.randn(1000)
+    x[[5, 500]] = float("nan")
+    packed, _ = round_trip(x, 1e-3)
+    b = packed.buffers
+    blocks = math.ceil(1000 / 32)
+    assert b["header"].numel() == blocks and b["header"].dtype == torch.int16
+    assert b["payload"].numel() == int(block_sizes(b["header"])[0].sum())
+    assert b["escape_index"].tolist() == [5, 500] and b["escape_index"].dtype == torch.int32
+    assert packed.nbytes == 2 * blocks + b["payload"].numel() + 2 * 4 + 2 * 4
+
+
+def test_constant_block_costs_its_header_and_lead_value():
+    x = torch.full((96,), 0.5)
+    packed, y = round_trip(x, 1e-3)
+    assert packed.nbytes == 3 * (2 + 2)  # header + 2 bytes of the code 250 (two's complement, 16 bits)
+    assert_guarantees(x, y, 1e-3)
+
+
+def test_all_zero_blocks_cost_only_their_header():
+    x = torch.zeros(64, 32)
+    x[0, 0] = 1e-4  # within the bound: still an all-zero block
+    packed, y = round_trip(x, 1e-3)
+    assert packed.nbytes == 2 * 64
+    assert torch.equal(y, torch.zeros_like(x))
+
+
+def _modes(x: torch.Tensor, error_bound: float) -> torch.Tensor:
+    return block_sizes(round_trip(x, error_bound)[0].buffers["header"])[3]
+
+
+def test_block_mode_follows_the_data():
+    torch.manual_seed(3)
+    smooth = torch.linspace(0, 10, 32 * 16)
+    assert torch.all(_modes(smooth, 1e-3) == MODE_LORENZO)
+    noise = torch.randn(32 * 16)
+    assert (_modes(noise, 1e-3) == MODE_RAW).float().mean() > 0.75  # deltas of noise are wider than codes
+    sparse = torch.zeros(32 * 16)
+    sparse[::16] = torch.rand(32) + 1
+    assert torch.all(_modes(sparse, 1e-3) == MODE_SPARSE)
+
+
+@pytest.mark.parametrize("codes", [
+    [2**29 + 1, -(2**29 + 1)] * 20,                      # largest codes, deltas of 2**30 + 2: no overflow
+    [0, 0, 0, 5, 0, 0, -7, 0] * 9,                        # sparse with signs
+    list(range(-50, 50)),                                 # smooth
+    [1],                                                  # one element
+])
+def test_block_encoding_round_trips_codes(codes):
+    q = torch.tensor(codes, dtype=torch.int32)
+    header, payload = encode_blocks(q)
+    assert payload.numel() == int(block_sizes(header)[0].sum())
+    assert torch.equal(decode_blocks(header, payload, q.numel()), q)
+
+
+def test_huge_magnitudes_escape_instead_of_overflowing():
+    x = torch.tensor([3e38, -3e38, 1e10, 7.0, float("inf")])
+    packed, y = round_trip(x, 1e-6)
+    assert_guarantees(x, y, 1e-6)
+    assert packed.buffers.get("escape_index", torch.tensor([0, 1, 2, 3, 4])).numel() >= 3
+
+
+def test_incompressible_input_is_stored_raw_but_zero_preserving():
+    torch.manual_seed(5)
+    x = (torch.randn(300) * 100).to(torch.bfloat16)  # 16-bit values, codes of ~26 bits at this bound
+    x[::7] = 1e-7
+    packed, y = round_trip(x, 1e-6)
+    assert "raw" in packed.buffers and packed.nbytes <= x.numel() * 2
+    assert_guarantees(x, y, 1e-6)
+
+
+def test_escape_index_is_64_bit_from_2_pow_31_elements():
+    assert index_dtype(2**31 - 1) == torch.int32
+    assert index_dtype(2**31) == torch.int64
+
+
+def test_working_bound_is_the_largest_float32_not_above_the_bound():
+    for bound in (1e-3, 0.1, 1 / 3, 2.0**-20):
+        eb, step, inv = working_bound(bound)
+        assert eb <= bound and float(np.nextafter(np.float32(eb), np.float32(1))) > bound
+        assert step == 2 * eb and inv == float(np.float32(1) / np.float32(step))
+
+
+def test_deterministic():
+    x = torch.randn(5000)
+    a, _ = round_trip(x, 1e-3)
+    b, _ = round_trip(x, 1e-3)
+    assert all(torch.equal(a.buffers[k], b.buffers[k]) for k in a.buffers)
+
+
+@pytest.mark.parametrize("bad", [None, 0, -1e-3, float("nan"), float("inf"), "1e-3", True])
+def test_invalid_error_bound(bad):
+    with pytest.raises(ValueError, match=r"error_bound=.*; expected a finite number > 0"):
+        act.codecs.get("lorenzo", error_bound=bad)
+
+
+def test_non_float_input_is_rejected():
+    codec = act.codecs.get("lorenzo", error_bound=1e-3)
+    with pytest.raises(ValueError, match=r"float32/float16/bfloat16 tensors; got dtype=torch.int64"):
+        codec.encode(torch.arange(10))
+
+
+def test_engine_with_lorenzo_gives_close_gradients():
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    x = torch.randn(256, 64)
+    model(x).square().mean().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(codec="lorenzo", error_bound=1e-3, min_numel=0))
+    with compressor.compress():
+        loss = model(x).square().mean()
+    loss.backward()
+    stats = compressor.stats()
+    assert stats.ratio > 1.5
+    for p, g in zip(model.parameters(), reference):
+        assert torch.allclose(p.grad, g, rtol=1e-2, atol=1e-4)
+
+
+def test_reference_modules_are_exported():
+    assert lorenzo.LorenzoCodec.name == "lorenzo" and "lorenzo" in act.codecs.available()
