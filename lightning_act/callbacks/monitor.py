@@ -1,38 +1,84 @@
-"""Log what the activation compressor did each training step."""
+"""Log what the activation compressor did each training step.
+
+:func:`step_metrics` and :func:`tensor_histograms` turn one step's :class:`~lightning_act.CompressionStats` into
+the names every integration logs (Lightning here, HuggingFace and Accelerate in ``lightning_act.integrations``).
+"""
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from ..stats import COMPRESSED, CompressionStats
 
 PREFIX = "act/"
 
 
-class CompressionMonitor(Callback):
-    """Logs ``act/compression_ratio``, ``act/original_bytes``, ``act/stored_bytes``, ``act/average_bits`` and
-    ``act/compressed_tensors`` through the Trainer's logger every ``log_every_n_steps`` (default: the
-    Trainer's). Needs an ``ACTStrategy``/``ACTDDPStrategy``."""
+def step_metrics(stats: CompressionStats) -> dict[str, float]:
+    """Scalars of one step under ``act/``: ratio, original and stored bytes, average bits, compressed tensors,
+    and per codec ``act/codec/<name>/{original_bytes,stored_bytes,ratio}``."""
+    values = {
+        "compression_ratio": stats.ratio,
+        "original_bytes": float(stats.original_bytes),
+        "stored_bytes": float(stats.stored_bytes),
+        "average_bits": stats.average_bits,
+        "compressed_tensors": float(stats.num_compressed),
+    }
+    for codec, (original, stored) in stats.per_codec().items():
+        values[f"codec/{codec}/original_bytes"] = float(original)
+        values[f"codec/{codec}/stored_bytes"] = float(stored)
+        values[f"codec/{codec}/ratio"] = original / stored if stored else 1.0
+    return {PREFIX + k: v for k, v in values.items()}
 
-    def __init__(self, log_every_n_steps: int | None = None):
+
+def tensor_histograms(stats: CompressionStats) -> dict[str, torch.Tensor]:
+    """Per compressed tensor: ``act/tensor_bits``, ``act/tensor_ratio`` and, for records that carry one (error-
+    bounded codecs), ``act/tensor_error_bound``. Empty series are left out."""
+    compressed = [r for r in stats.records if r.kind == COMPRESSED]
+    series = {
+        "tensor_bits": [r.bits for r in compressed],
+        "tensor_ratio": [r.original_bytes / r.stored_bytes for r in compressed if r.stored_bytes],
+        # records gain an ``error_bound`` when the engine stores one; quantized tensors have none
+        "tensor_error_bound": [b for r in compressed if (b := getattr(r, "error_bound", None)) is not None],
+    }
+    return {PREFIX + k: torch.tensor(v, dtype=torch.float64) for k, v in series.items() if v}
+
+
+class CompressionMonitor(Callback):
+    """Logs the compression of a training step every ``log_every_n_steps`` optimizer steps (default: the
+    Trainer's) through the Trainer's loggers: the :func:`step_metrics` scalars to every logger, and the
+    :func:`tensor_histograms` to TensorBoard loggers. Needs an ``ACTStrategy``/``ACTDDPStrategy``.
+
+    With gradient accumulation the statistics are those of the step's last micro-batch, logged once per step.
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, histograms: bool = True):
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+            raise ValueError(f"log_every_n_steps must be a positive int or None; got {log_every_n_steps!r}")
         self.log_every_n_steps = log_every_n_steps
+        self.histograms = histograms
+        self._last_logged_step: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not hasattr(trainer.strategy, "compressor"):
             raise ValueError(
                 f"CompressionMonitor needs an activation-compressing strategy; got {type(trainer.strategy).__name__}"
                 " (use Trainer(strategy='act') or strategy=lightning_act.ACTStrategy(...))")
+        self._last_logged_step = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        every = self.log_every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % max(every, 1):
+        every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
+        step = trainer.global_step
+        if step % every or step == self._last_logged_step:
             return
+        self._last_logged_step = step
         stats = trainer.strategy.compressor.stats()
-        values = {
-            "compression_ratio": stats.ratio,
-            "original_bytes": float(stats.original_bytes),
-            "stored_bytes": float(stats.stored_bytes),
-            "average_bits": stats.average_bits,
-            "compressed_tensors": float(stats.num_compressed),
-        }
+        metrics = step_metrics(stats)
+        histograms = tensor_histograms(stats) if self.histograms else {}
         for logger in trainer.loggers:
-            logger.log_metrics({PREFIX + k: v for k, v in values.items()}, step=trainer.global_step)
+            logger.log_metrics(metrics, step=step)
+            if histograms and isinstance(logger, TensorBoardLogger):
+                for tag, values in histograms.items():
+                    logger.experiment.add_histogram(tag, values, global_step=step)

@@ -1,0 +1,40 @@
+"""Integrations with Accelerate, HuggingFace ``transformers`` and PyTorch Geometric.
+
+Importing this package imports none of them: each name below loads its module on first use, and a missing
+library raises ``ImportError`` with the install command.
+
+- ``compress_forward(model, config)`` / ``unpatch(model)``: Accelerate (or any loop), patch a model's forward
+- ``ACTTrainer`` / ``ACTTrainerMixin`` / ``CompressionCallback``: HuggingFace ``Trainer`` with compression
+- ``LayerStats``: per-layer statistics (GNN layers by default) by module hooks
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "compress_forward": "accelerate", "unpatch": "accelerate",
+    "ACTTrainer": "transformers", "ACTTrainerMixin": "transformers", "CompressionCallback": "transformers",
+    "LayerStats": "pyg",
+}
+# module -> (library it needs, extra that installs it)
+_REQUIREMENTS = {"accelerate": ("accelerate", "hf"), "transformers": ("transformers", "hf"),
+                 "pyg": ("torch_geometric", "gnn")}
+
+__all__ = sorted(_EXPORTS)
+
+
+def require(module: str) -> None:
+    """Raise ``ImportError`` with the install command when the library behind ``module`` is missing."""
+    library, extra = _REQUIREMENTS[module]
+    if importlib.util.find_spec(library) is None:
+        raise ImportError(f"lightning_act.integrations.{module} needs {library}; "
+                          f"install it with: pip install 'lightning-act[{extra}]'")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}; available: {', '.join(__all__)}")
+    module = _EXPORTS[name]
+    require(module)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
