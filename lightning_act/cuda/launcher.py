@@ -48,15 +48,18 @@ class CupyRunner:
         from . import require_cupy
 
         self._cupy = require_cupy()
-        self._functions = {}
+        self._modules = {}  # (source, device index) -> RawModule
+        self._functions = {}  # (source, kernel, device index) -> Function
 
     def _function(self, source: str, kernel: str, device_index: int):
-        cache_key = (source, kernel, device_index)
-        if cache_key not in self._functions:
-            # RawModule compiles lazily, on the current device, at its first get_function
-            module = self._cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS)
-            self._functions[cache_key] = module.get_function(kernel)
-        return self._functions[cache_key]
+        function_key = (source, kernel, device_index)
+        if function_key not in self._functions:
+            module_key = (source, device_index)
+            if module_key not in self._modules:
+                self._modules[module_key] = self._cupy.RawModule(code=kernel_source(source), options=NVRTC_OPTIONS)
+            # compiles the module for the current device at its first get_function
+            self._functions[function_key] = self._modules[module_key].get_function(kernel)
+        return self._functions[function_key]
 
     def launch(self, source, kernel, grid, block, args, shared_mem, device):
         cp = self._cupy

@@ -52,7 +52,8 @@ def build(cu_path: Path) -> Path:
         f' {{ return cuda_emu::describe_params({name}, kinds, sizes, capacity); }}\n'
         for name in kernel_names(cu_path.read_text()))
     unit = f'#include "{SHIM}"\n#include "{cu_path}"\n{exports}'
-    digest = hashlib.sha256("\0".join([SHIM.read_text(), cu_path.read_text(), unit, *GXX_FLAGS]).encode())
+    # contents, not paths: the same source written elsewhere reuses the library
+    digest = hashlib.sha256("\0".join([SHIM.read_text(), cu_path.read_text(), exports, *GXX_FLAGS]).encode())
     library = CACHE_DIR / f"{cu_path.stem}-{digest.hexdigest()[:20]}.so"
     if not library.exists():
         CACHE_DIR.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,364 @@
+"""The CUDA quantize kernels, run on CPU threads by the emulation harness, against the torch specification.
+
+Every comparison is bit for bit: payload bytes, statistics and decoded tensors viewed as integers, with two
+exceptions the specification itself leaves open. NaN payload bits are not portable (x86 propagates an operand's
+NaN, a GPU returns 0x7fffffff, torch's own bf16 cast gives 0x7fc0 or 0xffff depending on the code path): NaN
+positions must match, their bits need not. The sign of a zero minimum/maximum of a group holding both +0 and -0
+depends on torch's reduction order (it is not a rule): zero statistics compare by value.
+"""
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import lightning_act.cuda as cuda_pkg
+import lightning_act.cuda.quantize as cuda_quantize
+from lightning_act.codecs.quantize import QuantizeCodec, dequantize_reference, quantize_reference
+from lightning_act.cuda.launcher import CupyRunner, NVRTC_OPTIONS, kernel_source
+from lightning_act.cuda.quantize import dequantize_cuda, quantize_cuda
+from tests.cuda_emulation.emulator import EmulatedModule, EmulatorRunner, requires_gxx
+
+from pathlib import Path
+
+BITS = [1, 2, 4, 8]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+STATS_DTYPES = [torch.float32, torch.bfloat16]
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+emulated = [pytest.mark.toolchain, requires_gxx]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return EmulatorRunner()
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, zero_sign_free: bool = False):
+    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape)
+    if not actual.is_floating_point():
+        assert torch.equal(actual, expected)
+        return
+    loose = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), loose), "NaN positions differ"
+    if zero_sign_free:
+        assert torch.equal(actual == 0, expected == 0), "zero positions differ"
+        loose |= expected == 0
+    a, e = actual.view(INT_VIEW[actual.dtype]), expected.view(INT_VIEW[expected.dtype])
+    assert torch.equal(a[~loose], e[~loose]), f"{int((a != e)[~loose].sum())} elements differ in their bits"
+
+
+def assert_same_encoding(actual, expected):
+    """(payload, mn, step) of the kernel == of the reference."""
+    assert_same_bits(actual[0], expected[0])
+    for a, e in zip(actual[1:], expected[1:]):
+        assert_same_bits(a, e, zero_sign_free=True)
+
+
+def check_encode_and_decode(runner, x, bits, group_size, stats_dtype, seed=3, key=11):
+    """Emulated kernels == torch reference: encode outputs, and decode of the reference's encoding."""
+    expected = quantize_reference(x, bits, group_size, stats_dtype, seed, key)
+    assert_same_encoding(quantize_cuda(x.contiguous(), bits, group_size, stats_dtype, seed, key, runner=runner),
+                         expected)
+    decode_args = (*expected, x.numel(), bits, group_size, x.dtype)
+    assert_same_bits(dequantize_cuda(*decode_args, runner=runner), dequantize_reference(*decode_args))
+
+
+# (shape, group_size): one element, sizes that are not multiples of the group, of 32 or of a block of 8 groups
+SHAPES = [((1,), 256), ((37,), 32), ((7, 37), 256), ((3, 256), 256), ((2, 3, 300), 64), ((5000,), 1024)]
+
+
+@pytest.mark.parametrize("shape, group_size", SHAPES)
+@pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.toolchain
+@requires_gxx
+def test_random_tensors_bit_identical(runner, bits, dtype, stats_dtype, shape, group_size):
+    torch.manual_seed(bits * 100 + len(shape))
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    check_encode_and_decode(runner, x, bits, group_size, stats_dtype)
+
+
+def _special(case: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(300)
+    if case == "constant":
+        return torch.full((300,), 0.3)
+    if case == "zeros":
+        return torch.zeros(300)
+    if case == "nan":
+        x[70] = float("nan")
+    elif case == "inf":
+        x[70], x[140], x[200], x[201] = float("inf"), float("-inf"), float("inf"), float("-inf")
+    elif case == "nan_group":
+        x[64:128] = float("nan")
+    elif case == "inf_group":
+        x[128:192] = float("inf")
+    elif case == "tiny":  # float32 subnormal steps: 1/step overflows to inf
+        x = x * 1e-42
+    elif case == "half_subnormal":
+        x = x * 3e-6
+    elif case == "huge":  # mx - mn overflows float32; float16 inputs become inf
+        x = x * 1.5e38
+    elif case == "ties":  # exact multiples of the grid: x - mn lands on integers
+        x = torch.arange(300.0) % 16
+    return x
+
+
+SPECIAL = ["constant", "zeros", "nan", "inf", "nan_group", "inf_group", "tiny", "half_subnormal", "huge", "ties"]
+
+
+@pytest.mark.parametrize("case", SPECIAL)
+@pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.toolchain
+@requires_gxx
+def test_special_values_bit_identical(runner, bits, dtype, stats_dtype, case):
+    check_encode_and_decode(runner, _special(case).to(dtype), bits, 64, stats_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.toolchain
+@requires_gxx
+def test_every_16_bit_pattern_is_read_exactly(runner, dtype):
+    """All 65536 encodings (subnormals, infinities, NaNs) as input, in order: a group holds 256 neighbouring
+    values, so its 8-bit codes are about one per ulp and expose any error of the kernel's 16-bit -> float32 read."""
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    check_encode_and_decode(runner, x, 8, 256, torch.float32)
+
+
+@pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_decode_of_arbitrary_statistics(runner, dtype, stats_dtype):
+    """Random bit patterns as mn and step (any float, NaN and inf included) and edge values of the float16
+    rounding: the kernel's float32 -> output dtype rounding must agree with torch's everywhere."""
+    gen = torch.Generator().manual_seed(5)
+    groups, group_size, bits = 512, 32, 2
+    edges = torch.tensor([65504.0, 65519.996, 65520.0, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-14,
+                          2.0**-14 * 0.99999994, 1.5 * 2.0**-24, 2.5 * 2.0**-24, -0.0, 3.0e38])
+    mn = torch.randint(-(1 << 31), 1 << 31, (groups,), generator=gen, dtype=torch.int64).to(torch.int32)
+    mn = mn.view(torch.float32)
+    mn[: len(edges)] = edges
+    step = torch.rand(groups, generator=gen) * 10.0 ** torch.randint(-45, 30, (groups,), generator=gen)
+    step[: len(edges)] = 0.0  # decode to exactly mn
+    mn, step = mn.to(stats_dtype), step.to(stats_dtype)
+    numel = groups * group_size - 5
+    payload = torch.randint(0, 256, ((numel * bits + 7) // 8,), generator=gen, dtype=torch.uint8)
+    args = (payload, mn, step, numel, bits, group_size, dtype)
+    assert_same_bits(dequantize_cuda(*args, runner=runner), dequantize_reference(*args))
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_grid_stride_loop_covers_groups_beyond_the_grid(runner, monkeypatch):
+    monkeypatch.setattr(cuda_quantize, "MAX_BLOCKS", 2)
+    x = torch.randn(40 * 64 + 17)
+    runner.launches.clear()
+    check_encode_and_decode(runner, x, 4, 64, torch.float32)
+    assert [launch[2] for launch in runner.launches] == [(2, 1, 1), (2, 1, 1)]  # 41 groups on 2 blocks of 8 warps
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_writes_stay_inside_their_buffers(runner):
+    """Outputs placed inside larger canary-filled buffers: nothing past the last payload byte or element."""
+    x = torch.randn(1001)  # 1001 * 2 bits = 251 bytes: the last 32-bit word is partial
+    payload_room, mn_room, step_room = (torch.full((n,), 0xAB, dtype=torch.uint8) for n in (251 + 4, 1, 1))
+    mn_room, step_room = torch.full((4 + 1,), -7.0), torch.full((4 + 1,), -7.0)
+    quantize_cuda(x, 2, 256, torch.float32, 0, 0, runner=runner, out=(payload_room[:251], mn_room[:4], step_room[:4]))
+    assert payload_room[251:].eq(0xAB).all() and mn_room[4] == -7.0 and step_room[4] == -7.0
+    expected = quantize_reference(x, 2, 256, torch.float32, 0, 0)
+    assert torch.equal(payload_room[:251], expected[0])
+    out_room = torch.full((1001 + 3,), -7.0)
+    dequantize_cuda(*expected, 1001, 2, 256, torch.float32, runner=runner, out=out_room[:1001])
+    assert out_room[1001:].eq(-7.0).all()
+
+
+def test_empty_tensor_launches_nothing():
+    runner = EmulatorRunner()
+    payload, mn, step = quantize_cuda(torch.empty(0), 4, 256, torch.float32, 0, 0, runner=runner)
+    assert payload.numel() == mn.numel() == step.numel() == 0
+    assert dequantize_cuda(payload, mn, step, 0, 4, 256, torch.float16, runner=runner).numel() == 0
+    assert runner.launches == []
+
+
+@pytest.mark.parametrize("numel, group_size, expected", [
+    (1, 256, ((1, 1, 1), (32, 1, 1), 1024)),                   # never more warps than groups
+    (1800, 256, ((1, 1, 1), (256, 1, 1), 8 * 256 * 4)),        # 8 groups: one block of 8 warps
+    (100_000, 256, ((49, 1, 1), (256, 1, 1), 8 * 256 * 4)),    # 391 groups
+    (100_000, 8192, ((13, 1, 1), (32, 1, 1), 8192 * 4)),       # stage of 32 KiB: one warp per block
+])
+def test_launch_configuration(numel, group_size, expected):
+    assert cuda_quantize._launch_config(numel, group_size, staged=True) == expected
+
+
+# ---- the same launcher code drives CuPy: a stand-in CuPy module whose kernels run on the emulator ----
+
+class FakeCupy:
+    """Records what CupyRunner asks of CuPy; RawModule compiles the code it is given with the emulator."""
+
+    def __init__(self, tmp_path):
+        self.modules, self.devices, self.streams, self.active_streams = [], [], [], []
+        fake = self
+
+        class RawModule:
+            def __init__(self, code, options):
+                fake.modules.append((code, options))
+                source = tmp_path / f"module{len(fake.modules)}.cu"
+                source.write_text(code)
+                self._module = EmulatedModule(source)
+
+            def get_function(self, name):
+                def call(grid, block, args, *, shared_mem=0):
+                    assert fake.active_streams, "kernel launched outside the torch stream"
+                    self._module.launch(name, grid, block, args, shared_mem)
+                return call
+
+        class Device:
+            def __init__(self, index):
+                fake.devices.append(index)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        class ExternalStream:
+            def __init__(self, ptr, device_id):
+                fake.streams.append((ptr, device_id))
+
+            def __enter__(self):
+                fake.active_streams.append(self)
+
+            def __exit__(self, *exc):
+                fake.active_streams.pop()
+
+        self.RawModule = RawModule
+        self.cuda = types.SimpleNamespace(Device=Device, ExternalStream=ExternalStream)
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_cupy_runner_code_path_on_the_emulator(tmp_path, monkeypatch):
+    fake = FakeCupy(tmp_path)
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=0xC0FFEE))
+    runner = CupyRunner()
+    runner.device_type = "cpu"  # the only change: let it take CPU tensors
+    x = torch.randn(3, 500, dtype=torch.bfloat16)
+    for key in (1, 2):
+        expected = quantize_reference(x, 4, 128, torch.bfloat16, 9, key)
+        encoded = quantize_cuda(x, 4, 128, torch.bfloat16, 9, key, runner=runner)
+        assert_same_encoding(encoded, expected)
+        decoded = dequantize_cuda(*encoded, x.numel(), 4, 128, x.dtype, runner=runner)
+        assert_same_bits(decoded, dequantize_reference(*expected, x.numel(), 4, 128, x.dtype))
+    # one module per (source, device) compiled from the shipped source, every launch on the torch stream
+    assert fake.modules == [(kernel_source("quantize.cu"), NVRTC_OPTIONS)]
+    assert fake.streams == [(0xC0FFEE, None)] * 4
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_argument_packing_is_checked_against_the_kernel_signature():
+    module = EmulatorRunner().module("quantize.cu")
+    assert module.params["quantize_encode"] == [("p", 8), ("i", 4), ("i", 8), ("i", 4), ("i", 4), ("u", 4),
+                                                ("p", 8), ("p", 8), ("p", 8), ("i", 4)]
+    args = [np.uint64(0), np.int32(0), np.int32(1)]  # numel packed as int32 instead of long long
+    with pytest.raises(TypeError, match=r"quantize_encode argument 2 is i8"):
+        module.launch("quantize_encode", (1, 1, 1), (32, 1, 1), args + [np.int32(0)] * 7, 0)
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_shim_primitives_match_numpy():
+    module = EmulatedModule(Path(__file__).parent / "cuda_emulation" / "selftest.cu")
+    x = np.random.default_rng(0).integers(-50, 100, size=3 * 128 - 20).astype(np.int32)
+    blocks, threads = 3, 128
+    block_sums = np.zeros(blocks, np.int32)
+    total, maximum = np.zeros(1, np.int32), np.full(1, -1000, np.int32)
+    ballots, lane0 = np.zeros(blocks * threads // 32, np.uint32), np.zeros(blocks * threads, np.int32)
+    ptr = lambda a: np.uint64(a.ctypes.data)  # noqa: E731
+    module.launch("block_reduce", (blocks, 1, 1), (32, 4, 1),
+                  [ptr(x), np.int64(x.size), ptr(block_sums), ptr(total), ptr(maximum), ptr(ballots), ptr(lane0)], 0)
+    padded = np.concatenate([x, np.zeros(blocks * threads - x.size, np.int32)])
+    assert block_sums.tolist() == padded.reshape(blocks, threads).sum(axis=1).tolist()
+    assert total[0] == x.sum() and maximum[0] == x.max()
+    bits = (padded.reshape(-1, 32) > 0).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+    assert ballots.tolist() == bits.sum(axis=1).tolist()
+    assert lane0.tolist() == np.repeat(padded[::32], 32).tolist()
+
+
+# ---- checks before launch (no toolchain needed: they fail before anything runs) ----
+
+@pytest.mark.parametrize("call, match", [
+    (lambda r: quantize_cuda(torch.randn(8, 4).t(), 4, 256, torch.float32, 0, 0, runner=r),
+     r"x must be contiguous; got strides \(1, 4\)"),
+    (lambda r: quantize_cuda(torch.randn(8, dtype=torch.float64), 4, 256, torch.float32, 0, 0, runner=r),
+     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16\); got torch.float64"),
+    (lambda r: quantize_cuda(torch.randn(8), 16, 256, torch.float32, 0, 0, runner=r),
+     r"bits=16; the CUDA kernels take one of 1, 2, 4, 8"),
+    (lambda r: quantize_cuda(torch.randn(8), 4, 16384, torch.float32, 0, 0, runner=r),
+     r"group_size=16384; the CUDA kernels take a multiple of 32 in \[32, 8192\]"),
+    (lambda r: quantize_cuda(torch.randn(8, device="meta"), 4, 256, torch.float32, 0, 0, runner=r),
+     r"tensors must be on a cpu device for EmulatorRunner; got meta"),
+    (lambda r: quantize_cuda(torch.randn(8), 4, 256, torch.float32, 0, 0, runner=r,
+                             out=(torch.empty(4, dtype=torch.uint8)[1:], torch.empty(1), torch.empty(1))),
+     r"payload must have 4 elements; got 3"),
+    (lambda r: quantize_cuda(torch.randn(8), 4, 256, torch.float32, 0, 0, runner=r,
+                             out=(torch.empty(5, dtype=torch.uint8)[1:], torch.empty(1), torch.empty(1))),
+     r"payload must be 4-byte aligned \(encode writes 32-bit words\); got data_ptr % 4 == 1"),
+    (lambda r: dequantize_cuda(torch.empty(4, dtype=torch.uint8), torch.empty(1), torch.empty(1, dtype=torch.bfloat16),
+                               8, 4, 256, torch.float32, runner=r),
+     r"step must have dtype in \(torch.float32\); got torch.bfloat16"),
+    (lambda r: dequantize_cuda(torch.empty(4, dtype=torch.uint8), torch.empty(2), torch.empty(2),
+                               8, 4, 256, torch.float32, runner=r),
+     r"mn must have 1 elements; got 2"),
+    (lambda r: dequantize_cuda(torch.empty(4, dtype=torch.uint8), torch.empty(1), torch.empty(1),
+                               8, 4, 256, torch.int32, runner=r),
+     r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16"),
+])
+def test_bad_arguments_are_refused_before_launch(call, match):
+    runner = EmulatorRunner()
+    with pytest.raises(ValueError, match=match):
+        call(runner)
+    assert runner.launches == []
+
+
+# ---- backend choice in the codec ----
+
+def _tensor_on(device: str):
+    """Stands in for a tensor: _use_cupy looks only at the device."""
+    return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"))
+
+
+@pytest.mark.parametrize("backend, device, cupy_importable, group_size, expected", [
+    ("torch", "cuda:0", True, 256, False),
+    ("auto", "cpu", True, 256, False),
+    ("auto", "cuda:0", False, 256, False),
+    ("auto", "cuda:0", True, 256, True),
+    ("auto", "cuda:0", True, 16384, False),  # beyond the kernels' stage: the torch path (also on CUDA)
+    ("cupy", "cuda:0", True, 256, True),
+])
+def test_backend_choice(monkeypatch, backend, device, cupy_importable, group_size, expected):
+    monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
+    codec = QuantizeCodec(bits=4, group_size=group_size, backend=backend)
+    assert codec._use_cupy(_tensor_on(device)) is expected
+
+
+def test_backend_cupy_refuses_cpu_tensors(monkeypatch):
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
+    with pytest.raises(ValueError, match=r"backend='cupy' runs on CUDA tensors; got a tensor on cpu"):
+        QuantizeCodec(backend="cupy").encode(torch.randn(64))
+
+
+@pytest.mark.skipif(cuda_pkg.cupy_available(), reason="CuPy is installed here")
+def test_without_cupy_the_cupy_backend_says_how_to_install_it():
+    with pytest.raises(ImportError, match=r"pip install 'lightning-act\[cuda\]'"):
+        QuantizeCodec(backend="cupy")
+    with pytest.raises(ImportError, match=r"pip install"):
+        quantize_cuda(torch.randn(64), 4, 256, torch.float32, 0, 0)
