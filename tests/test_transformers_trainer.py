@@ -1,0 +1,93 @@
+"""``ACTTrainer`` / ``CompressionCallback``: compression of training steps only, statistics in the Trainer's
+reporting, gradient accumulation and gradient checkpointing (tiny random BERT, no download)."""
+import pytest
+import torch
+
+import lightning_act as act
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from lightning_act.integrations import ACTTrainer, CompressionCallback  # noqa: E402
+from lightning_act.stats import COMPRESSED  # noqa: E402
+
+
+def _tiny_bert():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=128, max_position_embeddings=64)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def _dataset(n=16, length=32):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 200, (n, length), generator=g)
+    labels = torch.randint(0, 2, (n,), generator=g)
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+
+
+def _trainer(tmp_path, callbacks=None, **args):
+    defaults = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+                    report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", learning_rate=1e-3)
+    training_args = transformers.TrainingArguments(**{**defaults, **args})
+    return ACTTrainer(model=_tiny_bert(), args=training_args, train_dataset=_dataset(), eval_dataset=_dataset(8),
+                      act_config=act.ACTConfig(bits=4), callbacks=callbacks)
+
+
+def _act_logs(trainer):
+    return [entry for entry in trainer.state.log_history if "act/compression_ratio" in entry]
+
+
+@pytest.mark.parametrize("extra", [{}, {"gradient_accumulation_steps": 2}])
+def test_training_steps_compressed_and_logged(tmp_path, extra):
+    trainer = _trainer(tmp_path, **extra)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    accumulation = extra.get("gradient_accumulation_steps", 1)
+    assert trainer.compressor.step_number == 2 * accumulation  # one compress() per micro-batch
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    logs = _act_logs(trainer)
+    assert [entry["step"] for entry in logs] == [1, 2]
+    stats = trainer.compressor.stats()
+    assert stats.ratio > 3
+    assert {r.bits for r in stats.records if r.kind == COMPRESSED and r.codec == "quantize"} == {4.0}
+    last = logs[-1]
+    assert last["act/compression_ratio"] == pytest.approx(stats.ratio)
+    assert last["act/original_bytes"] == stats.original_bytes and last["act/stored_bytes"] == stats.stored_bytes
+    assert last["act/codec/quantize/ratio"] > 3
+
+
+def test_evaluation_is_not_compressed(tmp_path):
+    trainer = _trainer(tmp_path)
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics
+    assert trainer.compressor.step_number == 0
+    assert not any(k.startswith("act/") for k in metrics)
+
+
+def test_gradient_checkpointing_compresses_recomputed_tensors(tmp_path):
+    # transformers 5 name of gradient_checkpointing (now a deprecated alias)
+    trainer = _trainer(tmp_path, activation_checkpointing=True)
+    trainer.train()
+    stats = trainer.compressor.stats()
+    recomputed = [r for r in stats.records if r.phase == "recompute" and r.kind == COMPRESSED]
+    assert recomputed, "the checkpointed layers' recomputation was not compressed"
+    assert stats.ratio > 3
+    assert _act_logs(trainer)[-1]["act/compression_ratio"] == pytest.approx(stats.ratio)
+
+
+def test_given_callback_is_moved_before_reporters_and_tensorboard_gets_the_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    callback = CompressionCallback()
+    trainer = _trainer(tmp_path, callbacks=[callback], report_to="tensorboard")
+    handler_callbacks = trainer.callback_handler.callbacks
+    assert handler_callbacks[0] is callback and handler_callbacks.count(callback) == 1
+    trainer.train()
+    assert callback.compressor is trainer.compressor
+    events = list(tmp_path.rglob("events.out.tfevents*"))  # under output_dir/runs/
+    accumulator = EventAccumulator(str(events[0].parent)).Reload()
+    tags = accumulator.Tags()["scalars"]
+    assert {"train/act/compression_ratio", "train/act/stored_bytes", "train/act/average_bits"} <= set(tags)
+    ratios = [e.value for e in accumulator.Scalars("train/act/compression_ratio")]
+    assert len(ratios) == 2 and all(r > 3 for r in ratios)
