@@ -1,5 +1,6 @@
 """Modules that save memory by changing how layers execute (LR-CNN row-centric stacks, BLPA blocks)."""
 
+from lightning_act.nn._row_plan import RowPlan
 from lightning_act.nn.row_centric import Residual, RowCentric
 
-__all__ = ["Residual", "RowCentric"]
+__all__ = ["Residual", "RowCentric", "RowPlan"]

@@ -23,6 +23,7 @@ padding and are synthesised only at the true borders.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -436,53 +437,67 @@ class _Segment:
             del block
         return out, saved
 
+    def recompute_block(self, x: Tensor, saved: Sequence[Tensor | None], edges: list[int], index: int,
+                        x_needs_grad: bool) -> _RecomputedBlock:
+        """Re-run backward block ``index`` with grad enabled on detached inputs (leaves)."""
+        size = x.shape[ROW_DIM]
+        lo, hi = edges[index], edges[index + 1]
+        with torch.enable_grad():
+            if self.mode == "overlap":
+                x_lo, x_hi = self.op.in_range(lo, hi, size)
+                x_block = x.narrow(ROW_DIM, x_lo, x_hi - x_lo).detach().requires_grad_(x_needs_grad)
+                return _RecomputedBlock(self.op.run(x_block, x_lo, lo, hi, size), x_block, x_lo, [], [])
+            x_block, x_lo = self.chunk(x, lo, hi)
+            if x_block is not None:
+                x_block = x_block.detach().requires_grad_(x_needs_grad)
+            kept = saved[(index - 1) * self.slots: index * self.slots] if index else [None] * self.slots
+            state_in = [None if t is None else t.detach().requires_grad_() for t in kept]
+            state_out: list[Tensor | None] = [None] * self.slots
+            out = self.op.step(x_block, x_lo, lo, hi, size, state_in, state_out)
+            return _RecomputedBlock(out, x_block, x_lo, state_in, state_out)
+
     def run_backward(self, x: Tensor, saved: Sequence[Tensor | None], grad_out: Tensor,
                      x_needs_grad: bool) -> tuple[Tensor | None, list[Tensor | None]]:
-        """Recompute each backward block with grad enabled and accumulate input/param grads.
+        """Recompute each backward block and accumulate input/param grads.
 
         2PS blocks run bottom-up: a block's kept-tail inputs receive gradients that are passed on
         to the previous block as extra output gradients of the tails it produced.
         """
-        size = x.shape[ROW_DIM]
-        _, edges = self.forward_blocks(size)
+        _, edges = self.forward_blocks(x.shape[ROW_DIM])
         params = [p for p in self.params if p.requires_grad]
         grad_x = torch.zeros_like(x) if x_needs_grad else None
         grad_params: list[Tensor | None] = [None] * len(params)
         carried: list[Tensor | None] = [None] * self.slots
-        blocks = list(zip(edges[:-1], edges[1:]))
-        for index in reversed(range(len(blocks))):
-            lo, hi = blocks[index]
-            outputs, grads_out = [], [grad_out.narrow(ROW_DIM, lo, hi - lo)]
-            tails: list[Tensor] = []
-            with torch.enable_grad():
-                if self.mode == "overlap":
-                    x_lo, x_hi = self.op.in_range(lo, hi, size)
-                    x_block = x.narrow(ROW_DIM, x_lo, x_hi - x_lo).detach().requires_grad_(x_needs_grad)
-                    outputs.append(self.op.run(x_block, x_lo, lo, hi, size))
-                else:
-                    x_block, x_lo = self.chunk(x, lo, hi)
-                    if x_block is not None:
-                        x_block = x_block.detach().requires_grad_(x_needs_grad)
-                    kept = saved[(index - 1) * self.slots: index * self.slots] if index else [None] * self.slots
-                    state_in = [None if t is None else t.detach().requires_grad_() for t in kept]
-                    tails = [t for t in state_in if t is not None]
-                    state_out: list[Tensor | None] = [None] * self.slots
-                    outputs.append(self.op.step(x_block, x_lo, lo, hi, size, state_in, state_out))
-                    for tail, grad in zip(state_out, carried):
-                        if grad is not None and tail.requires_grad:
-                            outputs.append(tail)
-                            grads_out.append(grad)
-            x_input = [x_block] if x_needs_grad and x_block is not None else []
+        for index in reversed(range(len(edges) - 1)):
+            block = self.recompute_block(x, saved, edges, index, x_needs_grad)
+            lo, hi = edges[index], edges[index + 1]
+            outputs, grads_out = [block.out], [grad_out.narrow(ROW_DIM, lo, hi - lo)]
+            for tail, grad in zip(block.state_out, carried):
+                if grad is not None and tail.requires_grad:
+                    outputs.append(tail)
+                    grads_out.append(grad)
+            x_input = [block.x] if x_needs_grad and block.x is not None else []
+            tails = [t for t in block.state_in if t is not None]
             grads = torch.autograd.grad(outputs, x_input + tails + params, grads_out, allow_unused=True)
             if x_input:
-                grad_x.narrow(ROW_DIM, x_lo, x_block.shape[ROW_DIM]).add_(grads[0])
+                grad_x.narrow(ROW_DIM, block.x_lo, block.x.shape[ROW_DIM]).add_(grads[0])
             tail_grads = iter(grads[len(x_input):len(x_input) + len(tails)])
-            if self.mode == "share":
-                carried = [None if t is None else next(tail_grads) for t in state_in]
+            carried = [None if t is None else next(tail_grads) for t in block.state_in]
             for i, grad in enumerate(grads[len(x_input) + len(tails):]):
                 if grad is not None:
                     grad_params[i] = grad if grad_params[i] is None else grad_params[i] + grad
         return grad_x, grad_params
+
+
+@dataclass
+class _RecomputedBlock:
+    """One backward block rebuilt with autograd: its output, input leaves and 2PS kept tails."""
+
+    out: Tensor
+    x: Tensor | None
+    x_lo: int
+    state_in: list[Tensor | None]
+    state_out: list[Tensor | None]
 
 
 class _RowSegmentFunction(torch.autograd.Function):
