@@ -7,6 +7,7 @@ positions must match, their bits need not. The sign of a zero minimum/maximum of
 depends on torch's reduction order (it is not a rule): zero statistics compare by value.
 """
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,13 +20,10 @@ from lightning_act.cuda.launcher import CupyRunner, NVRTC_OPTIONS, kernel_source
 from lightning_act.cuda.quantize import dequantize_cuda, quantize_cuda
 from tests.cuda_emulation.emulator import EmulatedModule, EmulatorRunner, requires_gxx
 
-from pathlib import Path
-
 BITS = [1, 2, 4, 8]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 STATS_DTYPES = [torch.float32, torch.bfloat16]
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-emulated = [pytest.mark.toolchain, requires_gxx]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +164,7 @@ def test_grid_stride_loop_covers_groups_beyond_the_grid(runner, monkeypatch):
 def test_writes_stay_inside_their_buffers(runner):
     """Outputs placed inside larger canary-filled buffers: nothing past the last payload byte or element."""
     x = torch.randn(1001)  # 1001 * 2 bits = 251 bytes: the last 32-bit word is partial
-    payload_room, mn_room, step_room = (torch.full((n,), 0xAB, dtype=torch.uint8) for n in (251 + 4, 1, 1))
+    payload_room = torch.full((251 + 4,), 0xAB, dtype=torch.uint8)
     mn_room, step_room = torch.full((4 + 1,), -7.0), torch.full((4 + 1,), -7.0)
     quantize_cuda(x, 2, 256, torch.float32, 0, 0, runner=runner, out=(payload_room[:251], mn_room[:4], step_room[:4]))
     assert payload_room[251:].eq(0xAB).all() and mn_room[4] == -7.0 and step_room[4] == -7.0
