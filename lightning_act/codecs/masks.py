@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import op_codecs
-from .._validate import check_choice
 from . import register
 from ._bitpack import pack_codes, packed_nbytes, unpack_codes
 from .base import Codec, Packed
@@ -143,7 +142,8 @@ class MaxPoolIndexCodec(Codec):
         self.stride = _int_tuple("stride", self.kernel_size if stride is None else stride, nd, 1)
         self.padding = _int_tuple("padding", padding, nd, 0)
         self.dilation = _int_tuple("dilation", dilation, nd, 1)
-        check_choice("ceil_mode", ceil_mode, (False, True))
+        if not isinstance(ceil_mode, bool):
+            raise ValueError(f"ceil_mode={ceil_mode!r}; expected one of False, True")
         self.output_size = tuple(_pooled_size(*a, ceil_mode) for a in zip(
             self.input_size, self.kernel_size, self.stride, self.padding, self.dilation))
         if min(self.output_size) < 1:

@@ -1,0 +1,214 @@
+"""Lossless masks: ReLU signs, dropout noise and max-pool indices, on their own and chosen by the saving op."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_act as act
+from lightning_act import op_codecs
+from lightning_act.stats import COMPRESSED
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(), (1,), (13,), (3, 5, 7), (2, 3, 9, 10)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + [(0,)])
+def test_positive_mask_keeps_the_sign_pattern_in_one_bit(shape, dtype):
+    x = torch.randn(shape).to(dtype)
+    if x.numel() > 2:
+        x.view(-1)[:3] = torch.tensor([0.0, -0.0, float("nan")])  # none of them positive
+    codec = act.codecs.get("positive_mask")
+    packed = codec.encode(x)
+    y = codec.decode(packed)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y, (x > 0).to(dtype))
+    assert packed.nbytes == math.ceil(x.numel() / 8)
+
+
+def test_positive_mask_of_a_non_contiguous_tensor():
+    x = torch.randn(6, 5).t()
+    codec = act.codecs.get("positive_mask")
+    assert torch.equal(codec.decode(codec.encode(x)), (x > 0).float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_scaled_mask_stores_dropout_noise_exactly(shape, p, dtype):
+    torch.manual_seed(0)
+    noise = torch.empty(shape, dtype=dtype).bernoulli_(1 - p)
+    if p < 1:
+        noise.div_(1 - p)
+    codec = act.codecs.get("scaled_mask")
+    packed = codec.encode(noise)
+    assert torch.equal(codec.decode(packed), noise)
+    assert packed.nbytes == math.ceil(noise.numel() / 8) + noise.element_size()
+
+
+def test_scaled_mask_of_an_empty_tensor():
+    codec = act.codecs.get("scaled_mask")
+    y = codec.decode(codec.encode(torch.empty(0, 4)))
+    assert y.shape == (0, 4)
+
+
+def test_scaled_mask_refuses_several_values():
+    with pytest.raises(ValueError, match=r"non-zero elements all equal one value; got a tensor of shape \[3\]"):
+        act.codecs.get("scaled_mask").encode(torch.tensor([0.0, 2.0, 3.0]))
+
+
+@pytest.mark.parametrize("name", ["positive_mask", "scaled_mask"])
+def test_masks_refuse_integer_tensors(name):
+    with pytest.raises(ValueError, match=rf"{name} codec takes floating-point tensors; got dtype=torch.int64"):
+        act.codecs.get(name).encode(torch.arange(4))
+
+
+POOLS = [  # (pool function, input shape, pooling arguments, bits per index)
+    (F.max_pool1d, (2, 3, 20), dict(kernel_size=4, stride=3, padding=1), 2),
+    (F.max_pool1d, (3, 21), dict(kernel_size=5, stride=2, dilation=2, ceil_mode=True), 3),
+    (F.max_pool2d, (2, 3, 11, 13), dict(kernel_size=3, stride=2, padding=1), 4),
+    (F.max_pool2d, (2, 3, 11, 13), dict(kernel_size=2), 1 + 1),
+    (F.max_pool2d, (1, 2, 10, 9), dict(kernel_size=(3, 2), stride=(1, 2), dilation=(2, 1), ceil_mode=True), 3),
+    (F.max_pool2d, (2, 5, 7), dict(kernel_size=1), 0),
+    (F.max_pool3d, (2, 3, 4, 6, 7), dict(kernel_size=3, stride=2, padding=1), 5),
+    (F.max_pool3d, (1, 2, 5, 5, 5), dict(kernel_size=(1, 2, 3), stride=(1, 2, 2), ceil_mode=True), 3),
+]
+
+
+@pytest.mark.parametrize("pool,shape,args,bits", POOLS)
+def test_maxpool_index_round_trips_exactly_in_the_fewest_bits(pool, shape, args, bits):
+    nd = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3}[pool]
+    _, index = pool(torch.randn(shape), return_indices=True, **args)
+    codec = act.codecs.get("maxpool_index", input_size=shape[-nd:], **args)
+    packed = codec.encode(index)
+    assert codec.bits == bits == codec.bits_per_element(index)
+    assert packed.nbytes == bits * math.ceil(index.numel() / 8)
+    decoded = codec.decode(packed)
+    assert decoded.dtype == torch.int64 and torch.equal(decoded, index)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(kernel_size=0, input_size=(8, 8)), r"kernel_size=0; expected an integer >= 1 or 2 of them"),
+    (dict(kernel_size=(2, 2, 2), input_size=(8, 8)), r"kernel_size=\(2, 2, 2\); expected an integer >= 1 or 2"),
+    (dict(kernel_size="2", input_size=(8, 8)), r"kernel_size='2'; expected an integer >= 1 or 2 of them"),
+    (dict(kernel_size=2, input_size=(8, 8), padding=-1), r"padding=-1; expected an integer >= 0 or 2 of them"),
+    (dict(kernel_size=2, input_size=(8, 8), stride=0), r"stride=0; expected an integer >= 1 or 2 of them"),
+    (dict(kernel_size=2, input_size=(2, 2, 2, 2)), r"input_size=\(2, 2, 2, 2\); expected 1, 2 or 3 spatial sizes"),
+    (dict(kernel_size=2, input_size=(8, 0)), r"input_size=\(8, 0\); expected an integer >= 1 or 2 of them"),
+    (dict(kernel_size=2, input_size=(8, 8), ceil_mode=1), r"ceil_mode=1; expected one of False, True"),
+    (dict(kernel_size=5, input_size=(3, 3)), r"give no output for input_size=\(3, 3\)"),
+])
+def test_maxpool_index_bad_options_raise(options, match):
+    with pytest.raises(ValueError, match=match):
+        act.codecs.get("maxpool_index", **options)
+
+
+def test_maxpool_index_refuses_indices_outside_their_window_and_wrong_tensors():
+    codec = act.codecs.get("maxpool_index", kernel_size=2, input_size=(4, 4))
+    _, index = F.max_pool2d(torch.randn(1, 1, 4, 4), 2, return_indices=True)
+    index[0, 0, 1, 1] = 0  # the top-left window's element, not the bottom-right one's
+    with pytest.raises(ValueError, match=r"an index lies outside its pooling window \(kernel_size=\(2, 2\)"):
+        codec.encode(index)
+    with pytest.raises(ValueError, match=r"int64 tensors of whole \[2, 2\] output planes; got dtype=torch.int32"):
+        codec.encode(index.int())
+    with pytest.raises(ValueError, match=r"got dtype=torch.int64 with 3 elements"):
+        codec.encode(index.view(-1)[:3])
+
+
+# ---- chosen by the op that saves the tensor ---------------------------------------------------------------
+def test_rules_are_registered_for_relu_dropout_and_max_pool():
+    for fn in (F.relu, torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, F.leaky_relu, F.dropout,
+               F.max_pool1d, F.max_pool2d, F.max_pool3d, F.max_pool2d_with_indices, torch.max_pool2d):
+        assert fn in op_codecs.OP_RULES
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
+        nn.Flatten(), nn.Dropout(0.3), nn.Linear(16 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _train_step(masks: bool | None, x: torch.Tensor):
+    """Parameter gradients of one step (``masks=None``: no compressor) and the step's stats."""
+    model = _cnn()
+    torch.manual_seed(1)  # same dropout draws in every run
+    stats = None
+    if masks is None:
+        model(x).square().sum().backward()
+    else:
+        # values kept exact (32 bits) so that only the masks differ between the runs
+        config = act.ACTConfig(codec="quantize", bits=32, compress_masks=masks, min_numel=0)
+        compressor = act.ActivationCompressor(model, config)
+        with compressor.compress():
+            loss = model(x).square().sum()
+        loss.backward()
+        stats = compressor.stats()
+    return [p.grad for p in model.parameters()], stats
+
+
+def test_relu_cnn_gradients_are_bit_identical_with_masks_on_and_off():
+    x = torch.randn(16, 1, 32, 32)
+    exact, _ = _train_step(None, x)
+    off_grads, off = _train_step(False, x)
+    on_grads, on = _train_step(True, x)
+    assert all(torch.equal(a, b) for a, b in zip(exact, off_grads))
+    assert all(torch.equal(a, b) for a, b in zip(exact, on_grads))
+    codecs = {r.codec for r in on.records if r.kind == COMPRESSED}
+    assert {"positive_mask", "maxpool_index", "scaled_mask"} <= codecs
+    # int64 indices (8 bytes) -> 2 and 4 bits, float dropout noise -> 1 bit: stored bytes drop by over a third
+    assert on.stored_bytes < 0.75 * off.stored_bytes
+
+
+@pytest.mark.parametrize("relu", [
+    nn.ReLU(), nn.ReLU(inplace=True), F.relu, torch.relu, torch.Tensor.relu, lambda t: t.relu_(),
+    lambda t: F.leaky_relu(t, 0.1), lambda t: F.leaky_relu(t, 0.1, inplace=True),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_relu_spelling_stores_a_mask_and_the_next_layer_keeps_its_values(relu, dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8)).to(dtype)
+    x = torch.randn(128, 32, dtype=dtype)
+
+    def step(compress: bool):
+        model.zero_grad()
+        compressor = act.ActivationCompressor(model, act.ACTConfig(codec="quantize", bits=32, min_numel=0))
+        with compressor.compress() if compress else torch.enable_grad():
+            loss = model[1](relu(model[0](x))).float().square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()], compressor.stats()
+
+    exact, _ = step(False)
+    grads, stats = step(True)
+    assert all(torch.equal(a, b) for a, b in zip(exact, grads))  # Linear 2's weight gradient needs the values
+    saved = [(r.codec, r.shape) for r in stats.records if r.kind == COMPRESSED]
+    assert ("positive_mask", (128, 64)) in saved and ("quantize", (128, 64)) in saved
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: F.max_pool1d(t.flatten(2), 3, 2, 1),
+    lambda t: F.max_pool2d(t, 3, 2, 1, ceil_mode=True),
+    lambda t: F.max_pool2d(t, 2, return_indices=True)[0],
+    lambda t: torch.max_pool2d(t, [2, 2]),
+    lambda t: F.max_pool3d(t.unsqueeze(1), (2, 3, 3), (1, 2, 2)),
+])
+def test_max_pool_spellings_store_packed_indices_with_exact_gradients(call):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 15, 15, requires_grad=True)
+    weight = torch.randn(4, 4, 1, 1)
+    call(F.conv2d(x, weight)).square().sum().backward()
+    exact, x.grad = x.grad, None
+    compressor = act.ActivationCompressor(None, act.ACTConfig(codec="quantize", bits=32, min_numel=0))
+    with compressor.compress():
+        loss = call(F.conv2d(x, weight)).square().sum()
+    loss.backward()
+    assert torch.equal(x.grad, exact)
+    assert any(r.codec == "maxpool_index" for r in compressor.stats().records)
+
+
+def test_masks_off_leaves_indices_and_relu_outputs_to_the_default_policy():
+    _, stats = _train_step(False, torch.randn(4, 1, 32, 32))
+    assert not {"positive_mask", "maxpool_index", "scaled_mask"} & {r.codec for r in stats.records}
