@@ -2,5 +2,6 @@
 
 from lightning_act.nn._row_plan import RowPlan
 from lightning_act.nn.row_centric import Residual, RowCentric
+from lightning_act.nn.blpa import BNReLUBlock, convert_bn_relu  # noqa: F401
 
 __all__ = ["Residual", "RowCentric", "RowPlan"]
