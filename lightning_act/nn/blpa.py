@@ -84,29 +84,28 @@ class _BNReLULayer(torch.autograd.Function):
         codes = unpack_codes(packed, block.bits, shape.numel()).view(shape)
         gamma, beta = _gamma_beta(bn_weight, bn_bias, invstd)
         a2, positive = decode_codes(codes, gamma, beta, block.bits)
-        grad_weight = grad_bias = None
-        with torch.enable_grad():
+        with torch.enable_grad():  # the layer's own backward, on the rebuilt ReLU output
             a3 = torch.relu(a2).to(ctx.dtype).requires_grad_()
             weight = layer_weight.detach().requires_grad_()
             bias = layer_bias.detach().requires_grad_() if layer_bias is not None else None
-            out = block.layer_forward(a3, weight, bias)
             inputs = [a3, weight] + ([bias] if bias is not None else [])
-            grads = torch.autograd.grad(out, inputs, grad_out)
-        grad_a3, grad_weight = grads[0], grads[1]
-        if bias is not None:
-            grad_bias = grads[2]
+            grad_a3, grad_weight, *grad_bias = torch.autograd.grad(block.layer_forward(a3, weight, bias), inputs,
+                                                                   grad_out)
+        grad_bias = grad_bias[0] if grad_bias else None
         grad_a2 = torch.where(positive, grad_a3.float(), 0.0)  # ReLU's backward, exact
         dims = [d for d in range(grad_a2.dim()) if d != 1]
-        view = lambda v: _channel_view(v, grad_a2.dim())  # noqa: E731
-        a1 = torch.where(view(gamma) != 0, (a2 - view(beta)) / view(gamma), 0.0)
-        grad_gamma = (grad_a2 * a1).sum(dims) if bn_weight is not None else None
-        grad_beta = grad_a2.sum(dims) if bn_bias is not None else None
-        grad_a1 = grad_a2 * view(gamma)
+        gamma_c, beta_c, invstd_c = (_channel_view(v, a2.dim()) for v in (gamma, beta, invstd))
+        a1 = torch.where(gamma_c != 0, (a2 - beta_c) / gamma_c, 0.0)
+        affine = bn_weight is not None
+        grad_gamma = (grad_a2 * a1).sum(dims) if affine else None
+        grad_beta = grad_a2.sum(dims) if affine else None
+        grad_a1 = grad_a2 * gamma_c
         if ctx.batch_stats:
             grad_a1 = grad_a1 - grad_a1.mean(dims, keepdim=True) - a1 * (grad_a1 * a1).mean(dims, keepdim=True)
-        grad_x = (grad_a1 * view(invstd)).to(ctx.dtype)
-        cast = lambda g, p: g.to(p.dtype) if g is not None else None  # noqa: E731
-        return grad_x, cast(grad_gamma, bn_weight), cast(grad_beta, bn_bias), grad_weight, grad_bias, None
+        grad_x = (grad_a1 * invstd_c).to(ctx.dtype)
+        if grad_gamma is not None:
+            grad_gamma, grad_beta = grad_gamma.to(bn_weight.dtype), grad_beta.to(bn_bias.dtype)
+        return grad_x, grad_gamma, grad_beta, grad_weight, grad_bias, None
 
 
 def _gamma_beta(weight: torch.Tensor | None, bias: torch.Tensor | None, like: torch.Tensor):
