@@ -1,0 +1,247 @@
+"""Per-layer error bounds adapted from momentum statistics (Jin et al., "SZ-style compression for training").
+
+The paper models the weight-gradient error that a uniform activation error ``e in [-eb, eb]`` causes as a
+normal distribution and keeps its spread at 1% of the average momentum (eq. 8), which gives the bound (eq. 9):
+
+    sigma = 0.01 * mean |momentum of the layer's weight|
+    eb    = sigma / (a * Lbar * sqrt(N * R)),      a = 0.32
+
+with the choices made here (measured every ``interval`` optimizer steps; bounds refreshed right after):
+
+* ``Lbar``: mean |dL/d(layer output)| over the measured step, read by a gradient hook on the layer's output in
+  the framework's own units (a mean-reduced loss already carries the 1/batch factor the paper's average over
+  the batch applies). The paper's per-input ``Lmax`` proxy (eq. 5) is not used: the mean is what eq. 6-9 use.
+* ``N``: the number of products ``activation * dL/doutput`` summed into each weight-gradient entry,
+  ``output.numel() / weight.shape[0]``: the batch size for a ``Linear`` on ``(batch, features)`` (the
+  paper's case), batch x positions for convolutions and token sequences, whose weights are shared likewise.
+* ``R``: the fraction of non-zero elements of the layer's input (eq. 7: zeros are stored exactly, they add
+  no error), at least ``1 / numel``.
+* momentum, in gradient units (the paper: "the target sigma is 1% of the average of gradient"): SGD's
+  ``momentum_buffer`` times ``1 - dampening`` if dampening else ``1 - momentum`` (the buffer sums a geometric
+  series of gradients), Adam's bias-corrected ``exp_avg``; without either, the weight's gradient.
+
+A saved tensor gets the bound of the innermost tracked layer (a module with parameters of its own) running
+when autograd saves it: ``Linear``/``Conv`` save their input there. Tensors saved elsewhere (activation
+functions, attention matmuls, pooling) get the smallest bound of all layers, which holds for whichever layer
+reads them. Before the first refresh the engine's default codec applies (or ``initial_error_bound``).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .._validate import check_int, check_positive_float
+from ..codecs import Codec
+from ..codecs.lorenzo import LorenzoCodec
+
+PAPER_COEFFICIENT = 0.32
+PAPER_MOMENTUM_FRACTION = 0.01
+
+
+@dataclass
+class LayerStats:
+    """What one measured step saw of a layer: the inputs of eq. 9 besides the momentum."""
+
+    terms: float = 0.0  # N: products summed into each weight-gradient entry
+    nonzero: float = 1.0  # R: fraction of non-zero input elements
+    grad_sum: float = 0.0  # sum of |dL/doutput| over the measured forward calls
+    grad_count: int = 0
+
+    @property
+    def mean_grad(self) -> float:
+        return self.grad_sum / self.grad_count if self.grad_count else 0.0
+
+
+def tracked_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules with trainable floating-point parameters of their own, by qualified name."""
+    layers = {}
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and p.is_floating_point()]
+        if own:
+            layers[name or type(module).__name__] = module
+    return layers
+
+
+def _weight(module: nn.Module) -> nn.Parameter:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, nn.Parameter):
+        return weight
+    return next(p for p in module.parameters(recurse=False) if p.requires_grad)
+
+
+def _group_of(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict:
+    return next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+
+
+def momentum_magnitude(optimizer: torch.optim.Optimizer | None, param: nn.Parameter) -> float | None:
+    """Mean |momentum| of ``param`` in gradient units (an average of recent gradients), else mean |grad|."""
+    state = optimizer.state.get(param, {}) if optimizer is not None else {}
+    if state.get("momentum_buffer") is not None:
+        group = _group_of(optimizer, param)
+        dampening = group.get("dampening", 0.0)
+        scale = 1 - dampening if dampening else 1 - group.get("momentum", 0.0)
+        return float(state["momentum_buffer"].abs().mean()) * scale
+    if "exp_avg" in state:
+        beta1 = _group_of(optimizer, param)["betas"][0]
+        step = float(state.get("step", 1))
+        correction = 1 - beta1 ** step if step > 0 else 1.0
+        return float(state["exp_avg"].abs().mean()) / correction
+    if param.grad is not None:
+        return float(param.grad.abs().mean())
+    return None
+
+
+def paper_error_bound(momentum: float, mean_grad: float, terms: float, nonzero: float,
+                      coefficient: float = PAPER_COEFFICIENT,
+                      momentum_fraction: float = PAPER_MOMENTUM_FRACTION) -> float | None:
+    """Eq. 8-9: ``0.01 * momentum / (a * Lbar * sqrt(N * R))``; ``None`` when it is not a finite positive number."""
+    denominator = coefficient * mean_grad * math.sqrt(max(terms * nonzero, 0.0))
+    if not denominator > 0 or not momentum > 0:
+        return None
+    bound = momentum_fraction * momentum / denominator
+    return bound if math.isfinite(bound) else None
+
+
+class ErrorBoundController:
+    """Per-layer ``lorenzo`` error bounds from momentum (eq. 8-9), installed as the compressor's codec policy.
+
+    >>> controller = ErrorBoundController(compressor, optimizer, interval=100)
+    >>> with controller:                     # hooks on the model; removed on exit, also after an exception
+    ...     for x, y in data:
+    ...         with compressor.compress():
+    ...             loss = loss_fn(model(x), y)
+    ...         loss.backward(); optimizer.step(); optimizer.zero_grad()
+    ...         controller.step()            # after the optimizer step: refresh every ``interval`` steps
+
+    ``error_bounds`` maps layer names to the current absolute bounds.
+    """
+
+    def __init__(self, compressor, optimizer: torch.optim.Optimizer | None = None, *, interval: int = 100,
+                 coefficient: float = PAPER_COEFFICIENT, momentum_fraction: float = PAPER_MOMENTUM_FRACTION,
+                 initial_error_bound: float | None = None, model: nn.Module | None = None):
+        check_int("interval", interval, minimum=1)
+        check_positive_float("coefficient", coefficient)
+        check_positive_float("momentum_fraction", momentum_fraction)
+        if initial_error_bound is not None:
+            check_positive_float("initial_error_bound", initial_error_bound)
+        model = model if model is not None else compressor.model
+        if model is None:
+            raise ValueError("ErrorBoundController needs a model: the compressor has none; pass model=")
+        self.compressor, self.optimizer, self.model = compressor, optimizer, model
+        self.interval, self.coefficient, self.momentum_fraction = interval, coefficient, momentum_fraction
+        self.initial_error_bound = initial_error_bound
+        self.layers = tracked_layers(model)
+        self._name_of = {id(m): name for name, m in self.layers.items()}
+        self.error_bounds: dict[str, float] = {}
+        self.stats: dict[str, LayerStats] = {}
+        self.steps = 0
+        self._measuring = True  # the first step is measured so bounds exist from the second on
+        self._running: list[str] = []
+        self._handles: list = []
+        self._codecs: dict[float, Codec] = {}
+        self._previous_policy = None
+
+    # ---- hooks ------------------------------------------------------------------------------------------
+    def attach(self) -> "ErrorBoundController":
+        """Install the module hooks and the compressor's ``codec_policy``."""
+        if self._handles:
+            return self
+        for module in self.layers.values():
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        self._previous_policy = self.compressor.codec_policy
+        self.compressor.codec_policy = self
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook and restore the compressor's previous codec policy."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._running.clear()
+        if self.compressor.codec_policy is self:
+            self.compressor.codec_policy = self._previous_policy
+
+    def __enter__(self) -> "ErrorBoundController":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator["ErrorBoundController"]:
+        """``with controller.attached():`` the same as ``with controller:``."""
+        with self:
+            yield self
+
+    def _enter(self, module: nn.Module, args) -> None:
+        name = self._name_of[id(module)]
+        self._running.append(name)
+        if self._measuring and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+            if x.is_floating_point() and x.numel():
+                self.stats.setdefault(name, LayerStats()).nonzero = max(
+                    float((x != 0).float().mean()), 1.0 / x.numel())
+
+    def _exit(self, module: nn.Module, args, output) -> None:
+        name = self._name_of[id(module)]
+        if self._running and self._running[-1] == name:
+            self._running.pop()
+        if not (self._measuring and isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        stats = self.stats.setdefault(name, LayerStats())
+        stats.terms = output.numel() / max(_weight(module).shape[0], 1)
+
+        def record(grad: torch.Tensor) -> None:
+            stats.grad_sum += float(grad.abs().mean())
+            stats.grad_count += 1
+
+        output.register_hook(record)
+
+    # ---- policy -----------------------------------------------------------------------------------------
+    def __call__(self, index: int, t: torch.Tensor) -> Codec | None:
+        """The engine's ``codec_policy``: a ``lorenzo`` codec at the running layer's bound."""
+        if not t.is_floating_point():
+            return None
+        layer = self._running[-1] if self._running else None
+        bound = self.error_bounds.get(layer) if layer is not None else None
+        if bound is None:
+            bound = min(self.error_bounds.values()) if self.error_bounds else self.initial_error_bound
+        return self.codec(bound) if bound is not None else None
+
+    def codec(self, bound: float) -> Codec:
+        """The (cached) ``lorenzo`` codec for ``bound``."""
+        if bound not in self._codecs:
+            self._codecs[bound] = LorenzoCodec(error_bound=bound)
+        return self._codecs[bound]
+
+    # ---- refresh ----------------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        """Call after each optimizer step: on measured steps, recompute the bounds from the momentum and the
+        measured statistics; returns the bounds that changed."""
+        changed = self.refresh() if self._measuring else {}
+        self.steps += 1
+        self._measuring = self.steps % self.interval == 0
+        if self._measuring:
+            self.stats.clear()
+        return changed
+
+    def refresh(self) -> dict[str, float]:
+        """Recompute every layer's bound from the current momentum and the last measured step."""
+        changed = {}
+        for name, module in self.layers.items():
+            stats = self.stats.get(name)
+            momentum = momentum_magnitude(self.optimizer, _weight(module))
+            if stats is None or momentum is None:
+                continue
+            bound = paper_error_bound(momentum, stats.mean_grad, stats.terms, stats.nonzero, self.coefficient,
+                                      self.momentum_fraction)
+            if bound is not None and bound != self.error_bounds.get(name):
+                self.error_bounds[name] = changed[name] = bound
+        self._codecs = {b: c for b, c in self._codecs.items() if b in self.error_bounds.values()}
+        return changed

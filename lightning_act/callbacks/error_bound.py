@@ -1,0 +1,53 @@
+"""Lightning callback: per-layer ``lorenzo`` error bounds from momentum statistics (Jin et al. eq. 8-9)."""
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from ..adapt.error_bound import PAPER_COEFFICIENT, PAPER_MOMENTUM_FRACTION, ErrorBoundController
+
+PREFIX = "act/error_bound/"
+
+
+class ErrorBoundCallback(Callback):
+    """Compresses each layer's saved activations with ``lorenzo`` at a bound derived from the optimizer's
+    momentum every ``interval`` steps (see :mod:`lightning_act.adapt.error_bound`), and logs the bounds as
+    ``act/error_bound/<layer>`` whenever a refresh changes them. Needs an ``ACTStrategy``/``ACTDDPStrategy``."""
+
+    def __init__(self, interval: int = 100, coefficient: float = PAPER_COEFFICIENT,
+                 momentum_fraction: float = PAPER_MOMENTUM_FRACTION, initial_error_bound: float | None = None):
+        self.options = {"interval": interval, "coefficient": coefficient, "momentum_fraction": momentum_fraction,
+                        "initial_error_bound": initial_error_bound}
+        self.controller: ErrorBoundController | None = None
+        # (global step, layer -> bound) at every refresh, for inspection after training
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not hasattr(trainer.strategy, "compressor"):
+            raise ValueError(
+                f"ErrorBoundCallback needs an activation-compressing strategy; got {type(trainer.strategy).__name__}"
+                " (use Trainer(strategy='act') or strategy=lightning_act.ACTStrategy(...))")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self.controller = ErrorBoundController(trainer.strategy.compressor, optimizer, model=pl_module,
+                                               **self.options).attach()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.controller is None or not self.controller.step():
+            return
+        bounds = dict(self.controller.error_bounds)
+        self.history.append((trainer.global_step, bounds))
+        for logger in trainer.loggers:
+            logger.log_metrics({PREFIX + name: bound for name, bound in bounds.items()}, step=trainer.global_step)
+
+    def _detach(self) -> None:
+        if self.controller is not None:
+            self.controller.detach()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._detach()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._detach()
