@@ -1,9 +1,10 @@
 """Accelerate: train the digits CNN plain and with compressed activations, in any Accelerate setup.
 
-One process on CPU (the default) or several with ``accelerate launch``::
+One process on CPU (the default) or several (``Accelerator`` reads torchrun's environment; on CPU
+``accelerate launch --cpu --num_processes 2`` starts a single process unless MPI is configured)::
 
     python recipes/accelerate_example.py [--mixed-precision bf16] [--grad-accum 2] [--api patch]
-    accelerate launch --cpu --num_processes 2 recipes/accelerate_example.py --epochs 2
+    torchrun --nproc_per_node 2 recipes/accelerate_example.py --epochs 2
 
 ``--api context`` puts ``compressor.compress()`` around each forward; ``--api patch`` calls
 ``lightning_act.integrations.compress_forward(model)`` once after ``accelerator.prepare``. Prints the

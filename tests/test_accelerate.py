@@ -1,0 +1,162 @@
+"""Accelerate: the context API and ``compress_forward`` with bf16 mixed precision, gradient accumulation and two
+CPU processes. ``accelerate launch --cpu --num_processes 2`` starts one process (its multi-CPU path needs MPI):
+torchrun starts two, and ``Accelerator(cpu=True)`` picks up its environment (gloo DDP)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_act as act
+from lightning_act.engine import active_compressor
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState  # noqa: E402
+
+from lightning_act.integrations import compress_forward, unpatch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)  # each test builds its own Accelerator
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 4))
+
+
+def _batches(n=4, batch=16):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(batch, 32, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(n)]
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+
+def test_context_api_bf16_with_gradient_accumulation():
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    compressor = act.ActivationCompressor(accelerator.unwrap_model(model), act.ACTConfig(bits=4))
+    before, steps_taken = _params(model), 0
+    for x, y in _batches():
+        with accelerator.accumulate(model):
+            with compressor.compress():
+                loss = nn.functional.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            steps_taken += accelerator.sync_gradients
+            optimizer.step()
+            optimizer.zero_grad()
+    assert steps_taken == 2 and compressor.step_number == 4
+    assert not torch.equal(before, _params(model))
+    stats = compressor.stats()
+    compressed = [r for r in stats.records if r.kind == "compressed"]
+    assert stats.ratio > 2 and {r.dtype for r in compressed} == {torch.bfloat16}  # autocast's activations
+
+
+def test_compress_forward_gradients_close_and_unpatch_restores():
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    model = accelerator.prepare(_mlp())
+    autocast_forward = model.__dict__["forward"]  # Accelerate's own patch
+    x, y = _batches(1)[0]
+
+    def grad():
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    exact = grad()
+    compressor = compress_forward(model, act.ACTConfig(bits=8))
+    approx = grad()
+    assert compressor.step_number == 1 and compressor.stats().ratio > 1.5
+    assert torch.nn.functional.cosine_similarity(exact.float(), approx.float(), dim=0).item() > 0.999
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x)
+    assert compressor.step_number == 1  # evaluation forwards are not compressed
+    assert unpatch(model) is compressor
+    assert model.__dict__["forward"] is autocast_forward
+
+
+def test_patched_forward_leaves_no_active_context_when_it_raises():
+    model = _mlp()
+    compressor = compress_forward(model)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        model(torch.randn(2, 5))
+    assert active_compressor() is None
+    model(torch.randn(2, 32)).sum().backward()
+    assert compressor.step_number == 2
+    unpatch(model)
+    assert "forward" not in model.__dict__
+
+
+def test_patch_errors():
+    model = _mlp()
+    with pytest.raises(ValueError, match="Sequential is not patched by compress_forward; nothing to unpatch"):
+        unpatch(model)
+    compress_forward(model)
+    with pytest.raises(ValueError, match="Sequential is already patched by compress_forward; call unpatch"):
+        compress_forward(model)
+    unpatch(model)
+
+
+_TWO_PROCESS_SCRIPT = """
+import json, sys, torch
+from torch import nn
+sys.path.insert(0, {root!r})
+import accelerate, lightning_act as act
+from lightning_act.integrations import compress_forward, unpatch
+from tests.test_accelerate import _batches, _mlp
+
+accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
+model = _mlp()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = accelerator.prepare(model, optimizer)
+compressor = compress_forward(model, act.ACTConfig(bits=4))
+ratios = []
+for x, y in _batches()[accelerator.process_index::2]:
+    with accelerator.accumulate(model):
+        accelerator.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    ratios.append(compressor.stats().ratio)
+unpatch(model)
+out = {{"world": accelerator.num_processes, "wrapped": type(model).__name__, "ratios": ratios,
+        "param_sum": float(sum(p.detach().double().sum() for p in model.parameters()))}}
+with open({out!r} + f"/rank{{accelerator.process_index}}.json", "w") as f:
+    json.dump(out, f)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_cpu_processes_with_torchrun(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(_TWO_PROCESS_SCRIPT.format(root=str(ROOT), out=str(tmp_path))))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(_free_port()), str(script)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["world"] == 2 and r["wrapped"] == "DistributedDataParallel"
+        assert len(r["ratios"]) == 2 and all(x > 2 for x in r["ratios"])
+    assert ranks[0]["param_sum"] == pytest.approx(ranks[1]["param_sum"], rel=1e-9)  # gradients all-reduced
