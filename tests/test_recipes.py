@@ -1,6 +1,5 @@
 """Each recipe end to end in a tiny configuration: summary printed, compression ratio > 1, TensorBoard logs
 written with ``act/`` tags, ``--help`` documented."""
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,11 +28,13 @@ def _check_summary(out: str, baseline, compressed, tables: int = 1):
 
 
 @pytest.mark.parametrize("recipe", ["accelerate_example", "gnn_node_classification", "hf_text_classification"])
-def test_help_is_documented(recipe):
-    proc = subprocess.run([sys.executable, str(RECIPES / f"{recipe}.py"), "--help"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage:" in proc.stdout and "--logdir" in proc.stdout and "--bits" in proc.stdout
+def test_help_is_documented(recipe, capsys):
+    module = pytest.importorskip(recipe)
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--logdir" in out and "--bits" in out and "baseline-vs-compressed" in out
 
 
 def test_accelerate_recipe(tmp_path, capsys):
@@ -89,8 +90,8 @@ def test_hf_recipe_offline_minilm_on_rotten_tomatoes(tmp_path, capsys, monkeypat
         pytest.skip(str(error))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     baseline, compressed = hf_text_classification.main(
-        ["--train-samples", "16", "--eval-samples", "16", "--max-length", "32", "--max-steps", "2",
-         "--batch-size", "8", "--logging-steps", "1", "--logdir", str(tmp_path)])
+        ["--train-samples", "8", "--eval-samples", "8", "--max-length", "16", "--max-steps", "1",
+         "--batch-size", "4", "--logging-steps", "1", "--logdir", str(tmp_path)])
     _check_summary(capsys.readouterr().out, baseline, compressed)
     assert compressed.stats.ratio > 4
     assert "train/act/compression_ratio" in _tags(tmp_path / "compressed")
