@@ -1,0 +1,175 @@
+"""Adaptive per-layer error bounds (Jin et al. eq. 8-9): formula, momentum reading, hooks, policy, Lightning."""
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_act as act
+from lightning_act.adapt.error_bound import (ErrorBoundController, momentum_magnitude, paper_error_bound,
+                                             tracked_layers)
+from lightning_act.callbacks.error_bound import ErrorBoundCallback
+from lightning_act.codecs.lorenzo import LorenzoCodec
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _train_step(model, compressor, optimizer, controller, x, y):
+    with compressor.compress():
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return controller.step()
+
+
+def test_paper_formula():
+    bound = paper_error_bound(momentum=2.0, mean_grad=0.5, terms=64, nonzero=0.25)
+    assert bound == pytest.approx(0.01 * 2.0 / (0.32 * 0.5 * math.sqrt(16)))
+    assert paper_error_bound(momentum=0.0, mean_grad=0.5, terms=64, nonzero=1.0) is None
+    assert paper_error_bound(momentum=1.0, mean_grad=0.0, terms=64, nonzero=1.0) is None
+
+
+def test_tracked_layers_are_modules_with_own_parameters():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
+    assert list(tracked_layers(model)) == ["0", "2.0", "2.1"]
+
+
+def test_momentum_in_gradient_units_for_sgd_and_adam():
+    p = nn.Parameter(torch.ones(10))
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.full((10,), 2.0)
+    sgd.step()
+    assert momentum_magnitude(sgd, p) == pytest.approx(2.0 * 0.1)  # buffer = grad, times 1 - momentum
+    adam = torch.optim.Adam([p], betas=(0.9, 0.99))
+    adam.step()
+    assert momentum_magnitude(adam, p) == pytest.approx(2.0)  # bias-corrected exp_avg
+    assert momentum_magnitude(None, p) == pytest.approx(2.0)  # no optimizer: the gradient
+
+
+def test_bounds_per_layer_follow_the_momentum():
+    model = _mlp()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    controller = ErrorBoundController(compressor, optimizer, interval=2)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    with controller:
+        changed = _train_step(model, compressor, optimizer, controller, x, y)
+        assert set(changed) == {"0", "2"}
+        first = dict(controller.error_bounds)
+        # a saved tensor inside layer "2" gets that layer's bound, one outside any layer the smallest
+        controller._running.append("2")
+        codec = controller(0, torch.randn(4))
+        controller._running.pop()
+        assert isinstance(codec, LorenzoCodec) and codec.error_bound == first["2"]
+        assert controller(0, torch.randn(4)).error_bound == min(first.values())
+
+        for state in optimizer.state.values():
+            state["momentum_buffer"].mul_(4)
+        assert _train_step(model, compressor, optimizer, controller, x, y) == {}  # step 1: not measured
+        changed = _train_step(model, compressor, optimizer, controller, x, y)  # step 2: measured, refreshed
+        assert set(changed) == {"0", "2"}
+        for name in first:
+            assert controller.error_bounds[name] > 2 * first[name]  # momentum x ~4: bound up accordingly
+    records = compressor.stats().records
+    assert any(r.codec == "lorenzo" for r in records)
+
+
+def test_default_codec_until_first_refresh_then_lorenzo():
+    model = _mlp()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    controller = ErrorBoundController(compressor, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert controller(0, torch.randn(4)) is None
+    controller.initial_error_bound = 1e-3
+    assert controller(0, torch.randn(4)).error_bound == 1e-3
+
+
+def test_hooks_removed_and_policy_restored_even_if_forward_raises():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(5, 4))  # the second layer cannot take the first's output
+    compressor = act.ActivationCompressor(model)
+    controller = ErrorBoundController(compressor)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        with controller:
+            assert compressor.codec_policy is controller
+            with compressor.compress():
+                model(torch.randn(2, 4))
+    assert controller._running == []
+    assert compressor.codec_policy is None
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("interval", 0, r"interval=0; expected an integer >= 1"),
+    ("coefficient", -1.0, r"coefficient=-1.0; expected a finite number > 0"),
+    ("initial_error_bound", float("nan"), r"initial_error_bound=nan; expected a finite number > 0"),
+])
+def test_invalid_options(field, value, match):
+    compressor = act.ActivationCompressor(_mlp())
+    with pytest.raises(ValueError, match=match):
+        ErrorBoundController(compressor, **{field: value})
+
+
+def test_needs_a_model():
+    with pytest.raises(ValueError, match="needs a model"):
+        ErrorBoundController(act.ActivationCompressor())
+
+
+def _digits(seed: int = 0):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16
+    y = torch.tensor(digits.target)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    return x[perm[:1400]], y[perm[:1400]], x[perm[1400:]], y[perm[1400:]]
+
+
+class DigitsCNN(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+                                 nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 16, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _fit(strategy, callbacks):
+    xtr, ytr, xte, yte = _digits()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xtr, ytr), batch_size=128, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    model = DigitsCNN()
+    trainer = L.Trainer(strategy=strategy, max_epochs=3, callbacks=callbacks, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loader)
+    with torch.no_grad():
+        return (model.net(xte).argmax(1) == yte).float().mean().item()
+
+
+def test_lightning_digits_cnn_within_one_point_of_baseline_and_bounds_logged():
+    baseline = _fit("auto", [])
+    callback = ErrorBoundCallback(interval=5)
+    accuracy = _fit(act.ACTStrategy(act.ACTConfig(min_numel=0)), [callback])
+    assert accuracy >= baseline - 0.01, (accuracy, baseline)
+    assert len(callback.history) >= 5
+    layers = set(callback.history[-1][1])
+    assert layers == {"net.0", "net.2", "net.6"}
+    distinct = {step_bounds["net.0"] for _, step_bounds in callback.history}
+    assert len(distinct) >= 3  # the bound moves with the momentum
+    assert callback.controller._handles == []  # detached at the end of training
+
+
+def test_callback_needs_a_compressing_strategy():
+    trainer = L.Trainer(callbacks=[ErrorBoundCallback()], logger=False, max_epochs=1, enable_progress_bar=False)
+    with pytest.raises(ValueError, match="ErrorBoundCallback needs an activation-compressing strategy"):
+        trainer.fit(DigitsCNN(), torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long))))
