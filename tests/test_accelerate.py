@@ -160,3 +160,23 @@ def test_two_cpu_processes_with_torchrun(tmp_path):
         assert r["world"] == 2 and r["wrapped"] == "DistributedDataParallel"
         assert len(r["ratios"]) == 2 and all(x > 2 for x in r["ratios"])
     assert ranks[0]["param_sum"] == pytest.approx(ranks[1]["param_sum"], rel=1e-9)  # gradients all-reduced
+
+
+def test_integrations_import_is_lazy_and_names_the_install_command(monkeypatch):
+    code = ("import sys, lightning_act.integrations as i; "
+            "print(sorted(m for m in ('accelerate', 'torch_geometric', 'lightning_act.integrations.transformers',"
+            " 'lightning_act.integrations.accelerate', 'lightning_act.integrations.pyg') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr[-2000:]
+
+    import importlib.util
+
+    import lightning_act.integrations as integrations
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch_geometric" else real_find_spec(name, *a))
+    with pytest.raises(ImportError, match=r"needs torch_geometric; install it with: pip install 'lightning-act\[gnn\]'"):
+        integrations.require("pyg")
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'; available: ACTTrainer"):
+        integrations.Nope

@@ -10,6 +10,7 @@ library raises ``ImportError`` with the install command.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 _EXPORTS = {
