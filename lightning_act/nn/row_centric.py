@@ -92,11 +92,21 @@ class _RowOp:
         """Input rows ``[0, needed_hi)`` suffice for output rows ``[0, out_hi)``."""
         return self.in_range(out_hi - 1, out_hi, in_size)[1] if out_hi > 0 else 0
 
+    def collect_grad_slots(self, input_needs_grad: bool, slots: set[int]) -> bool:
+        """Add the 2PS slots whose kept input tail needs a gradient; return whether the output does."""
+        raise NotImplementedError
+
 
 class _Leaf(_RowOp):
     """A single layer; its 2PS state is the tail of its input that later output rows still read."""
 
     slot: int
+    module: nn.Module
+
+    def collect_grad_slots(self, input_needs_grad, slots):
+        if input_needs_grad:
+            slots.add(self.slot)
+        return input_needs_grad or any(p.requires_grad for p in self.module.parameters())
 
     def step(self, chunk, chunk_lo, out_lo, out_hi, in_size, state_in, state_out):
         kept = state_in[self.slot]
@@ -110,7 +120,8 @@ class _Leaf(_RowOp):
         out = self.run(x, x_lo, out_lo, out_hi, in_size) if out_hi > out_lo else None
         done = out_hi >= self.out_size(in_size)
         keep_lo = x_hi if done else min(self.in_range(out_hi, out_hi + 1, in_size)[0], x_hi)
-        state_out[self.slot] = x.narrow(ROW_DIM, keep_lo - x_lo, x_hi - keep_lo)
+        # A copy, not a view: a view would pin this layer's whole row block until the step ends.
+        state_out[self.slot] = x.narrow(ROW_DIM, keep_lo - x_lo, x_hi - keep_lo).clone()
         return out
 
 
@@ -135,18 +146,24 @@ class _Pointwise(_Leaf):
 
 
 class _Window(_Leaf):
-    """Sliding-window layer (conv or pool) run with its padding applied explicitly.
+    """Sliding-window layer (conv or pool).
 
-    ``compute`` is the layer without padding; ``pad`` lists the non-row paddings in F.pad order
-    (innermost dim first); row padding is added per block only where the block meets a border.
+    ``compute(x, padding)`` runs the layer with symmetric native ``padding`` (row first). Row
+    padding exists only where a block meets a true border: a block at the top border gets it
+    natively (and drops the extra rows that native bottom padding adds); a block that needs
+    bottom-only padding gets an explicit ``F.pad`` copy. Interior blocks are never padded or copied.
+    Non-row padding is native when symmetric, else explicit (``col_pad``, F.pad order).
     """
 
-    def __init__(self, compute: Callable[[Tensor], Tensor], kernel: int, stride: int,
-                 pad_top: int, pad_bottom: int, col_pad: tuple[int, ...], pad_value: float) -> None:
-        self.compute = compute
+    def __init__(self, module: nn.Module, compute: Callable[[Tensor, tuple[int, ...]], Tensor], kernel: int,
+                 stride: int, row_pad: tuple[int, int], col_pads: list[tuple[int, int]], pad_value: float) -> None:
+        self.module, self.compute = module, compute
         self.kernel, self.stride = kernel, stride
-        self.pad_top, self.pad_bottom = pad_top, pad_bottom
-        self.col_pad, self.pad_value = col_pad, pad_value
+        self.pad_top, self.pad_bottom = row_pad
+        symmetric = all(before == after for before, after in col_pads)
+        self.native_col = tuple(before if symmetric else 0 for before, _ in col_pads)
+        self.col_pad = tuple(0 if symmetric else p for pair in reversed(col_pads) for p in pair)
+        self.pad_value = pad_value
 
     def out_size(self, in_size: int) -> int:
         return (in_size + self.pad_top + self.pad_bottom - self.kernel) // self.stride + 1
@@ -163,10 +180,12 @@ class _Window(_Leaf):
         lo, hi = self._window(out_lo, out_hi)
         read_lo, read_hi = max(lo, 0), min(hi, in_size)
         rows = x.narrow(ROW_DIM, read_lo - x_lo, read_hi - read_lo)
-        pad = self.col_pad + (read_lo - lo, hi - read_hi)
-        if any(pad):
-            rows = F.pad(rows, pad, value=self.pad_value)
-        return self.compute(rows)
+        top, bottom = read_lo - lo, hi - read_hi
+        native_row = top
+        if bottom not in (0, top) or any(self.col_pad):
+            rows = F.pad(rows, self.col_pad + (top, bottom), value=self.pad_value)
+            native_row = 0
+        return self.compute(rows, (native_row, *self.native_col)).narrow(ROW_DIM, 0, out_hi - out_lo)
 
 
 class _Chain(_RowOp):
@@ -209,6 +228,11 @@ class _Chain(_RowOp):
             x, x_lo = op.run(x, x_lo, lo, hi, size), lo
         return x.narrow(ROW_DIM, out_lo - x_lo, out_hi - out_lo)
 
+    def collect_grad_slots(self, input_needs_grad, slots):
+        for op in self.ops:
+            input_needs_grad = op.collect_grad_slots(input_needs_grad, slots)
+        return input_needs_grad
+
     def step(self, chunk, chunk_lo, out_lo, out_hi, in_size, state_in, state_out):
         sizes = self._sizes(in_size)
         his = [out_hi]
@@ -243,6 +267,10 @@ class _ResidualOp(_RowOp):
     def needed_hi(self, out_hi, in_size):
         return max(self.body.needed_hi(out_hi, in_size), self.shortcut.needed_hi(out_hi, in_size))
 
+    def collect_grad_slots(self, input_needs_grad, slots):
+        body = self.body.collect_grad_slots(input_needs_grad, slots)
+        return self.shortcut.collect_grad_slots(input_needs_grad, slots) or body
+
     def run(self, x, x_lo, out_lo, out_hi, in_size):
         return (self.body.run(x, x_lo, out_lo, out_hi, in_size)
                 + self.shortcut.run(x, x_lo, out_lo, out_hi, in_size))
@@ -272,7 +300,7 @@ def _conv_pads(conv: nn.Conv1d | nn.Conv2d) -> list[tuple[int, int]]:
     return [(p, p) for p in conv.padding]
 
 
-def _window_op(compute: Callable[[Tensor], Tensor], kernel: tuple[int, ...], stride: tuple[int, ...],
+def _window_op(module: nn.Module, compute: Callable[[Tensor, tuple[int, ...]], Tensor], kernel: tuple[int, ...], stride: tuple[int, ...],
                dilation: tuple[int, ...], pads: list[tuple[int, int]], pad_value: float,
                name: str) -> _Window:
     effective = dilation[0] * (kernel[0] - 1) + 1
@@ -281,8 +309,7 @@ def _window_op(compute: Callable[[Tensor], Tensor], kernel: tuple[int, ...], str
             f"{name}: row padding {pads[0]} is not smaller than the kernel's extent {effective}; "
             "RowCentric needs every output row to read at least one real input row"
         )
-    col_pad = tuple(p for before_after in reversed(pads[1:]) for p in before_after)
-    return _Window(compute, effective, stride[0], *pads[0], col_pad, pad_value)
+    return _Window(module, compute, effective, stride[0], pads[0], pads[1:], pad_value)
 
 
 def _conv_op(conv: nn.Conv1d | nn.Conv2d, name: str) -> _Window:
@@ -290,10 +317,10 @@ def _conv_op(conv: nn.Conv1d | nn.Conv2d, name: str) -> _Window:
         raise ValueError(f"{name} uses padding_mode={conv.padding_mode!r}; RowCentric supports 'zeros' only")
     conv_fn = F.conv1d if isinstance(conv, nn.Conv1d) else F.conv2d
 
-    def compute(x: Tensor) -> Tensor:
-        return conv_fn(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+    def compute(x: Tensor, padding: tuple[int, ...]) -> Tensor:
+        return conv_fn(x, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
 
-    return _window_op(compute, conv.kernel_size, conv.stride, conv.dilation, _conv_pads(conv), 0.0, name)
+    return _window_op(conv, compute, conv.kernel_size, conv.stride, conv.dilation, _conv_pads(conv), 0.0, name)
 
 
 def _pool_op(pool: nn.Module, name: str) -> _Window:
@@ -309,23 +336,23 @@ def _pool_op(pool: nn.Module, name: str) -> _Window:
         dilation = _tuple(pool.dilation, n)
         max_pool = F.max_pool1d if n == 1 else F.max_pool2d
 
-        def compute(x: Tensor) -> Tensor:
-            return max_pool(x, kernel, stride, 0, dilation)
+        def compute(x: Tensor, padding: tuple[int, ...]) -> Tensor:
+            return max_pool(x, kernel, stride, padding, dilation)
 
-        return _window_op(compute, kernel, stride, dilation, pads, float("-inf"), name)
+        return _window_op(pool, compute, kernel, stride, dilation, pads, float("-inf"), name)
     if not pool.count_include_pad and any(p for pad in pads for p in pad):
         raise ValueError(
             f"{name} uses padding with count_include_pad=False; its divisor depends on the "
             "position, which RowCentric does not reproduce. Use count_include_pad=True or padding=0"
         )
     if n == 1:
-        def compute(x: Tensor) -> Tensor:
-            return F.avg_pool1d(x, kernel, stride, 0)
+        def compute(x: Tensor, padding: tuple[int, ...]) -> Tensor:
+            return F.avg_pool1d(x, kernel, stride, padding)
     else:
-        def compute(x: Tensor) -> Tensor:
-            return F.avg_pool2d(x, kernel, stride, 0, divisor_override=pool.divisor_override)
+        def compute(x: Tensor, padding: tuple[int, ...]) -> Tensor:
+            return F.avg_pool2d(x, kernel, stride, padding, divisor_override=pool.divisor_override)
 
-    return _window_op(compute, kernel, stride, (1,) * n, pads, 0.0, name)
+    return _window_op(pool, compute, kernel, stride, (1,) * n, pads, 0.0, name)
 
 
 def _check_batch_norm(bn: nn.Module, name: str) -> None:
@@ -425,8 +452,7 @@ class _Segment:
                 chunk, chunk_lo = self.chunk(x, lo, hi)
                 state_out: list[Tensor | None] = [None] * self.slots
                 block = self.op.step(chunk, chunk_lo, lo, hi, size, state, state_out)
-                # Copies: a kept tail is a view that would pin this block's whole feature map.
-                state = [None if s is None else s.clone() for s in state_out]
+                state = state_out
                 if hi in backward_edges[1:-1]:
                     saved.extend(state)
             if out is None:
@@ -451,7 +477,11 @@ class _Segment:
             if x_block is not None:
                 x_block = x_block.detach().requires_grad_(x_needs_grad)
             kept = saved[(index - 1) * self.slots: index * self.slots] if index else [None] * self.slots
-            state_in = [None if t is None else t.detach().requires_grad_() for t in kept]
+            # Tails upstream of every trainable layer (e.g. raw input rows) need no gradient.
+            grad_slots: set[int] = set()
+            self.op.collect_grad_slots(x_needs_grad, grad_slots)
+            state_in = [None if t is None else t.detach().requires_grad_(slot in grad_slots)
+                        for slot, t in enumerate(kept)]
             state_out: list[Tensor | None] = [None] * self.slots
             out = self.op.step(x_block, x_lo, lo, hi, size, state_in, state_out)
             return _RecomputedBlock(out, x_block, x_lo, state_in, state_out)
@@ -477,15 +507,20 @@ class _Segment:
                     outputs.append(tail)
                     grads_out.append(grad)
             x_input = [block.x] if x_needs_grad and block.x is not None else []
-            tails = [t for t in block.state_in if t is not None]
+            tails = [t for t in block.state_in if t is not None and t.requires_grad]
             grads = torch.autograd.grad(outputs, x_input + tails + params, grads_out, allow_unused=True)
             if x_input:
                 grad_x.narrow(ROW_DIM, block.x_lo, block.x.shape[ROW_DIM]).add_(grads[0])
             tail_grads = iter(grads[len(x_input):len(x_input) + len(tails)])
-            carried = [None if t is None else next(tail_grads) for t in block.state_in]
+            # Copies: a tail's gradient is a slice of its layer's whole block gradient.
+            carried = [next(tail_grads) if t is not None and t.requires_grad else None for t in block.state_in]
+            carried = [None if g is None else g.clone() for g in carried]
             for i, grad in enumerate(grads[len(x_input) + len(tails):]):
                 if grad is not None:
                     grad_params[i] = grad if grad_params[i] is None else grad_params[i] + grad
+            # Drop this block's graph and gradients before the next block is recomputed (tails
+            # outside the grad path and gradient slices would pin whole block tensors).
+            del block, outputs, grads_out, tails, grads, tail_grads
         return grad_x, grad_params
 
 
