@@ -20,13 +20,23 @@ WARP_SIZE = 32
 Dim3 = tuple[int, int, int]
 
 
-def kernel_source(name: str) -> str:
-    """The text of a ``.cu`` file shipped in this package."""
+# Device code every kernel source shares (RNG, 16-bit floats, ...): NVRTC has no #include, so it is prepended.
+COMMON_SOURCE = "common.cuh"
+
+
+def _read(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_text()
 
 
-def kernel_source_path(name: str):
-    return resources.files(__package__).joinpath(name)
+def kernel_source(name: str) -> str:
+    """The compilation unit of a ``.cu`` file shipped in this package: ``common.cuh`` then the file, with a
+    ``#line`` directive so compiler messages name the file and line of the kernel source."""
+    return f'{_read(COMMON_SOURCE)}\n#line 1 "{name}"\n{_read(name)}'
+
+
+def kernel_files() -> list[str]:
+    """Names of the ``.cu`` files shipped in this package."""
+    return sorted(p.name for p in resources.files(__package__).iterdir() if p.name.endswith(".cu"))
 
 
 class KernelRunner(Protocol):

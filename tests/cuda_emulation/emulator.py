@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_act.cuda.launcher import kernel_source_path
+from lightning_act.cuda.launcher import kernel_source
 
 GXX = shutil.which("g++")
 NVCC = shutil.which("nvcc")
@@ -41,20 +41,19 @@ def kernel_names(cu_text: str) -> list[str]:
     return KERNEL_PATTERN.findall(cu_text)
 
 
-def build(cu_path: Path) -> Path:
-    """The shared library of ``cu_path`` compiled for emulation (built once per content hash)."""
-    cu_path = Path(cu_path).resolve()
+def build(cu_text: str, name: str) -> Path:
+    """The shared library of the CUDA source ``cu_text`` compiled for emulation (built once per content hash)."""
     exports = "".join(
         f'extern "C" void emu_launch_{name}(const unsigned* grid, const unsigned* block,'
         f' unsigned long long shared_bytes, void** args)'
         f' {{ cuda_emu::launch_packed({name}, grid, block, shared_bytes, args); }}\n'
         f'extern "C" int emu_params_{name}(char* kinds, int* sizes, int capacity)'
         f' {{ return cuda_emu::describe_params({name}, kinds, sizes, capacity); }}\n'
-        for name in kernel_names(cu_path.read_text()))
-    unit = f'#include "{SHIM}"\n#include "{cu_path}"\n{exports}'
+        for name in kernel_names(cu_text))
+    unit = f'#include "{SHIM}"\n{cu_text}\n{exports}'
     # contents, not paths: the same source written elsewhere reuses the library
-    digest = hashlib.sha256("\0".join([SHIM.read_text(), cu_path.read_text(), exports, *GXX_FLAGS]).encode())
-    library = CACHE_DIR / f"{cu_path.stem}-{digest.hexdigest()[:20]}.so"
+    digest = hashlib.sha256("\0".join([SHIM.read_text(), unit, *GXX_FLAGS]).encode())
+    library = CACHE_DIR / f"{Path(name).stem}-{digest.hexdigest()[:20]}.so"
     if not library.exists():
         CACHE_DIR.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=CACHE_DIR) as work:
@@ -62,17 +61,19 @@ def build(cu_path: Path) -> Path:
             source.write_text(unit)
             result = subprocess.run([GXX, *GXX_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True)
             if result.returncode:
-                raise RuntimeError(f"g++ failed on {cu_path.name}:\n{result.stderr}")
+                raise RuntimeError(f"g++ failed on {name}:\n{result.stderr}")
             os.replace(built, library)  # atomic: concurrent test processes never load a half-written file
     return library
 
 
 class EmulatedModule:
-    """The kernels of one compiled ``.cu`` file."""
+    """The kernels of one compiled CUDA source: a ``.cu`` file (taken as it is), or ``text`` named ``name``."""
 
-    def __init__(self, cu_path: Path):
-        self._lib = ctypes.CDLL(str(build(cu_path)))
-        self.kernels = kernel_names(Path(cu_path).read_text())
+    def __init__(self, cu_path: Path | None = None, *, text: str | None = None, name: str = "module.cu"):
+        if text is None:
+            text, name = Path(cu_path).read_text(), Path(cu_path).name
+        self._lib = ctypes.CDLL(str(build(text, name)))
+        self.kernels = kernel_names(text)
         self.params = {name: self._describe(name) for name in self.kernels}
 
     def _describe(self, name: str) -> list[tuple[str, int]]:
@@ -106,7 +107,7 @@ class EmulatorRunner:
 
     def module(self, source: str) -> EmulatedModule:
         if source not in self._modules:
-            self._modules[source] = EmulatedModule(Path(str(kernel_source_path(source))))
+            self._modules[source] = EmulatedModule(text=kernel_source(source), name=source)
         return self._modules[source]
 
     def launch(self, source, kernel, grid, block, args, shared_mem, device):

@@ -1,0 +1,130 @@
+// Device code shared by every kernel source in this package. NVRTC has no headers, so the launcher
+// (launcher.kernel_source) prepends this text to each .cu file before compiling it; the nvcc compile test
+// and the CPU emulator build the very same concatenation.
+//
+// lightning_act/rng.py (counter-based RNG) and lightning_act/codecs/quantize.py (_round_stats, the
+// stochastic-rounding rule) are the specification, bit for bit.
+
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
+#define FULL_WARP 0xffffffffu
+#define DTYPE_FLOAT32 0
+#define DTYPE_FLOAT16 1
+#define DTYPE_BFLOAT16 2
+#define TWO_POW_MINUS_24 5.9604644775390625e-08f
+
+// ---- counter-based RNG (rng.py) ----
+__device__ __forceinline__ unsigned int mix32(unsigned int x) {
+    x ^= x >> 16;
+    x *= 0x21F0AAADu;
+    x ^= x >> 15;
+    x *= 0x735A2D97u;
+    x ^= x >> 15;
+    return x;
+}
+
+// rng.uniform24: mix32(lo32(i) ^ mix32(base ^ hi32(i))) >> 8, times 2**-24 (exact)
+__device__ __forceinline__ float uniform24(unsigned int base, long long index) {
+    const unsigned long long i = (unsigned long long)index;
+    const unsigned int h = mix32((unsigned int)i ^ mix32(base ^ (unsigned int)(i >> 32)));
+    return __fmul_rn((float)(h >> 8), TWO_POW_MINUS_24);
+}
+
+// ---- 16-bit floats as raw bits, converted exactly like torch on CPU ----
+__device__ __forceinline__ float bf16_to_float(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
+
+// round to nearest even (c10::BFloat16); NaN -> quiet NaN
+__device__ __forceinline__ unsigned short float_to_bf16(float f) {
+    const unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// torch.nextafter toward -inf / +inf (c10 BFloat16 nextafter); never called on NaN or on the target infinity
+__device__ __forceinline__ unsigned short bf16_next_down(unsigned short b) {
+    if ((b & 0x7fffu) == 0) return (unsigned short)0x8001u;
+    return (unsigned short)((b & 0x8000u) ? b + 1 : b - 1);
+}
+__device__ __forceinline__ unsigned short bf16_next_up(unsigned short b) {
+    if ((b & 0x7fffu) == 0) return (unsigned short)0x0001u;
+    return (unsigned short)((b & 0x8000u) ? b - 1 : b + 1);
+}
+
+// exact: normals, subnormals, signed zeros, inf, NaN (payload kept)
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    const unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+    const unsigned int exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    if (exponent == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
+    if (exponent != 0) return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+    // zero or subnormal: mantissa * 2**-24 is exact in float32
+    return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)mantissa, TWO_POW_MINUS_24)));
+}
+
+// round to nearest even, subnormals included, overflow to inf; NaN -> quiet NaN with its sign
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+    const unsigned int u = __float_as_uint(f);
+    const unsigned int sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 rounds to inf
+    if (a >= 0x38800000u) {                                           // normal half: >= 2**-14
+        const unsigned int rebiased = a - 0x38000000u;                // exponent bias 127 -> 15
+        return (unsigned short)(sign | ((rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13));
+    }
+    const unsigned int exponent = a >> 23;
+    if (exponent < 102u) return (unsigned short)sign;                 // below 2**-25: rounds to zero
+    // subnormal half: value / 2**-24 = m * 2**(exponent - 126), m the 24-bit significand
+    const unsigned int m = (a & 0x7fffffu) | 0x800000u, shift = 126u - exponent;  // 14 <= shift <= 24
+    const unsigned int kept = m >> shift, rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    return (unsigned short)(sign | (kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u)));
+}
+
+__device__ __forceinline__ float load_float(const void* p, long long i, int dtype) {
+    if (dtype == DTYPE_FLOAT32) return ((const float*)p)[i];
+    const unsigned short h = ((const unsigned short*)p)[i];
+    return dtype == DTYPE_FLOAT16 ? half_to_float(h) : bf16_to_float(h);
+}
+
+__device__ __forceinline__ void store_float(void* p, long long i, int dtype, float v) {
+    if (dtype == DTYPE_FLOAT32) ((float*)p)[i] = v;
+    else ((unsigned short*)p)[i] = dtype == DTYPE_FLOAT16 ? float_to_half(v) : float_to_bf16(v);
+}
+
+// torch.amin / amax propagate NaN; fminf / fmaxf would drop it
+__device__ __forceinline__ float nan_min(float a, float b) { return (a < b || a != a) ? a : b; }
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// _round_stats: the stored statistics, returned as the float32 values encode and decode compute with
+__device__ __forceinline__ void round_stats(float mn, float mx, int levels, int stats_dtype, void* mn_out,
+                                            void* step_out, long long group, bool store, float* mn32,
+                                            float* step32) {
+    if (stats_dtype == DTYPE_FLOAT32) {
+        *mn32 = mn;
+        *step32 = __fdiv_rn(__fsub_rn(mx, mn), (float)levels);
+        if (store) {
+            ((float*)mn_out)[group] = *mn32;
+            ((float*)step_out)[group] = *step32;
+        }
+        return;
+    }
+    // bfloat16: mn rounded down and step up, so the grid still covers the group
+    unsigned short mn_bits = float_to_bf16(mn);
+    if (bf16_to_float(mn_bits) > mn) mn_bits = bf16_next_down(mn_bits);
+    *mn32 = bf16_to_float(mn_bits);
+    const float step = __fdiv_rn(__fsub_rn(mx, *mn32), (float)levels);
+    unsigned short step_bits = float_to_bf16(step);
+    if (bf16_to_float(step_bits) < step) step_bits = bf16_next_up(step_bits);
+    *step32 = bf16_to_float(step_bits);
+    if (store) {
+        ((unsigned short*)mn_out)[group] = mn_bits;
+        ((unsigned short*)step_out)[group] = step_bits;
+    }
+}
+
+// clamp(floor((x - mn) * inv + u), 0, levels); comparisons are false for NaN, so NaN -> 0
+__device__ __forceinline__ unsigned int quantize_one(float x, float mn, float inv, float u, int levels) {
+    const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(x, mn), inv), u));
+    if (t >= (float)levels) return (unsigned int)levels;
+    return t > 0.0f ? (unsigned int)t : 0u;
+}
