@@ -54,7 +54,11 @@ class ACTConfig:
         group_size: elements per quantization group (multiple of 32).
         stats_dtype: dtype of per-group statistics, ``"float32"`` or ``"bfloat16"``.
         min_numel: tensors with fewer elements are kept as they are (compressing them costs more than it saves).
-        compress_masks: store boolean saved tensors (dropout and attention masks) losslessly at 1 bit.
+        compress_masks: store what a backward reads only as a pattern losslessly: boolean saved tensors (dropout
+            and attention masks) and ReLU outputs at 1 bit, max-pool indices in the fewest bits of the window.
+        blpa_bits: ``4`` or ``8`` replaces each BatchNorm -> ReLU -> Conv/Linear run of ``nn.Sequential``
+            children by BLPA's block (exact forward, ``blpa_bits`` sign-preserving codes for backward) when the
+            compressor is built; ``None`` (default) leaves the model as it is.
         seed: seed of the counter-based stochastic-rounding noise.
         backend: ``"auto"`` (CuPy kernels for CUDA tensors when CuPy imports, else torch), ``"torch"``, ``"cupy"``.
         error_bound: absolute error bound for error-bounded codecs.
@@ -77,6 +81,7 @@ class ACTConfig:
     stats_dtype: str = "float32"
     min_numel: int = 4096
     compress_masks: bool = True
+    blpa_bits: int | None = None
     seed: int = 0
     backend: str = "auto"
     error_bound: float | None = None
@@ -105,6 +110,7 @@ class ACTConfig:
         check_int("min_numel", self.min_numel, minimum=0)
         for flag in ("compress_masks", "swap", "checkpointing", "efficient_attention"):
             check_choice(flag, getattr(self, flag), (True, False))
+        check_choice("blpa_bits", self.blpa_bits, (None, 4, 8))
         check_int("seed", self.seed, minimum=0)
         check_choice("backend", self.backend, BACKENDS)
         if self.error_bound is not None:

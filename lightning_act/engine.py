@@ -143,6 +143,9 @@ class ActivationCompressor:
     >>> compressor.stats().ratio
 
     Only the forward needs the context: each saved tensor carries its own unpack hook into backward.
+    With ``config.blpa_bits`` set, building the compressor converts the model's BatchNorm -> ReLU -> Conv/Linear
+    runs into BLPA blocks (``blpa_blocks`` says how many); the parameters stay the same objects, so optimizers
+    built before keep working.
     """
 
     def __init__(self, model: nn.Module | None = None, config: ACTConfig | str | dict | None = None):
@@ -161,6 +164,11 @@ class ActivationCompressor:
         self._last_step: _Step | None = None
         self._warned_checkpointing = False
         self.swap_store: SwapStore | None = SwapStore() if self.config.swap else None
+        self.blpa_blocks = 0
+        if model is not None and self.config.blpa_bits is not None:
+            from .nn.blpa import convert_bn_relu
+
+            self.blpa_blocks = convert_bn_relu(model, self.config.blpa_bits)
         if model is not None and isinstance(model, getattr(torch._dynamo, "OptimizedModule", ())):
             warnings.warn(
                 "lightning_act: the model is torch.compile'd; saved-tensor hooks run after the compiled forward, "

@@ -154,3 +154,37 @@ def test_1d_and_3d_blocks_train(dims):
     y_ref.square().sum().backward()
     y.square().sum().backward()
     assert F.cosine_similarity(block.layer.weight.grad.flatten(), conv.weight.grad.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_config_converts_the_model_and_forward_stays_exact(bits):
+    reference, model = _cnn(), _cnn()
+    params_before = list(model.parameters())
+    compressor = act.ActivationCompressor(model, act.ACTConfig(blpa_bits=bits))
+    assert compressor.blpa_blocks == 3
+    assert [m.bits for m in model.modules() if isinstance(m, act.nn.BNReLUBlock)] == [bits] * 3
+    assert all(a is b for a, b in zip(params_before, model.parameters()))  # optimizers stay valid
+    x = torch.randn(4, 3, 12, 12)
+    with compressor.compress():
+        out = model(x)
+    assert torch.equal(out, reference(x))
+    out.square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_lightning_strategy_trains_with_blpa_blocks():
+    import lightning as L
+
+    from tests.lightning_models import TinyCNN, random_loader
+
+    torch.manual_seed(0)
+    model = TinyCNN()  # net[1:4] is BatchNorm -> ReLU -> Conv
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    trainer = L.Trainer(strategy=act.ACTStrategy(act.ACTConfig(blpa_bits=4)), accelerator="cpu", max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, random_loader())
+    assert isinstance(model.net[1], act.nn.BNReLUBlock) and model.net[1].bits == 4
+    assert not torch.equal(before, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    kept = {r.dtype for r in trainer.strategy.compressor.stats().records if r.kind == "kept"}
+    assert torch.uint8 in kept  # the block's packed codes, not the BN input or ReLU output
