@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+import lightning_act.nn as act_nn
 from lightning_act.nn import Residual, RowCentric, RowPlan
 
 # fp32, row-block arithmetic reorders sums in the backward: relative to each tensor's max.
@@ -350,3 +351,61 @@ def test_plan_errors() -> None:
         RowCentric.plan(vgg_stack(), PLAN_SHAPE)
     with pytest.raises(ValueError, match=r"budget_bytes=-5; expected a positive integer"):
         RowCentric.plan(vgg_stack(), PLAN_SHAPE, budget_bytes=-5)
+
+
+# ---- wrap_conv_trunks: the converter for whole models ----
+
+def vgg16(width: int = 4, classes: int = 10) -> nn.Module:
+    """VGG-16's layout (13 convs in 5 stages, max pools, 3 linear layers) at 1/``width`` of its channels."""
+    layers, c_in = [], 3
+    for item in (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"):
+        if item == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(c_in, item // width, 3, padding=1), nn.ReLU(inplace=True)]
+            c_in = item // width
+    model = nn.Module()
+    model.features = nn.Sequential(*layers)
+    model.classifier = nn.Sequential(nn.Flatten(), nn.Linear(c_in * 2 * 2, 64), nn.ReLU(), nn.Linear(64, classes))
+    model.forward = lambda x: model.classifier(model.features(x))
+    return model
+
+
+@pytest.mark.parametrize("mode", ["overlap", "share"])
+def test_wrap_conv_trunks_converts_a_vgg16_exactly(mode):
+    torch.manual_seed(0)
+    model = vgg16()
+    params = list(model.parameters())
+    x = torch.randn(2, 3, 64, 64)
+    out_ref, grad, x_grad_ref, grads_ref = reference(model, x)
+    assert RowCentric.__name__ not in repr(model)
+    assert act_nn.wrap_conv_trunks(model, rows=3, mode=mode) == ["features[0:31]"]
+    assert isinstance(model.features[0], RowCentric) and len(model.features) == 1
+    assert isinstance(model.classifier[1], nn.Linear)  # the head is left alone
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    x = x.clone().requires_grad_()
+    out = model(x)
+    out.backward(grad)
+    assert_matches(out, out_ref)
+    assert_matches(x.grad, x_grad_ref)
+    for param, expected in zip(model.parameters(), grads_ref):
+        assert_matches(param.grad, expected)
+
+
+def test_wrap_conv_trunks_stops_at_train_mode_batch_norm_and_small_runs():
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),  # wrapped: 2 convs
+        nn.BatchNorm2d(4),                                                       # training mode: not row-separable
+        nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),                                # 1 conv: left alone
+        nn.Flatten(),
+        nn.Sequential(nn.Unflatten(1, (4, 8, 8)), nn.Conv2d(4, 4, 3), nn.MaxPool2d(2)),  # nested run
+    )
+    assert act_nn.wrap_conv_trunks(model, rows=2) == ["Sequential[0:3]", "7[1:3]"]
+    assert [type(m).__name__ for m in model] == ["RowCentric", "BatchNorm2d", "Conv2d", "ReLU", "Flatten",
+                                                 "Sequential"]
+    assert isinstance(model[5][1], RowCentric)
+    assert model(torch.randn(1, 3, 8, 8)).shape == (1, 4, 3, 3)
+    model[1].eval()  # an eval-mode BatchNorm joins the run when converting again
+    assert act_nn.wrap_conv_trunks(model, rows=2, min_windows=1) == ["Sequential[1:4]"]
+    with pytest.raises(ValueError, match="min_windows=0; expected an integer >= 1"):
+        act_nn.wrap_conv_trunks(model, min_windows=0)

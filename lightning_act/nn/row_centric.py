@@ -694,3 +694,67 @@ class RowCentric(nn.Module):
         """Wrap ``stack`` with the granularities and mode chosen by :meth:`plan`."""
         return cls(stack, rows=plan.forward_rows, mode=plan.mode,
                    checkpoint_groups=plan.checkpoint_groups, backward_rows=plan.backward_rows)
+
+
+def _row_separable(module: nn.Module, where: str) -> bool:
+    """Whether ``module`` could join a RowCentric stack as it is (a train-mode BatchNorm cannot)."""
+    try:
+        _Builder().build(module, where)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def wrap_conv_trunks(model: nn.Module, rows: int = 4, mode: str = "overlap", *,
+                     checkpoint_groups: int | None = None, backward_rows: int | None = None,
+                     min_windows: int = 2) -> list[str]:
+    """Replace each maximal run of row-separable children of every ``nn.Sequential`` in ``model`` (a VGG's
+    ``features``, a ResNet-style trunk built from :class:`Residual` blocks) by a :class:`RowCentric` over
+    that run, in place. Runs with fewer than ``min_windows`` conv/pool layers are left alone (nothing to gain).
+
+    A BatchNorm in training mode ends a run (its batch statistics span all rows): call ``model.eval()`` on
+    those layers, or freeze them, before converting to include them. The wrapped layers keep their parameter
+    objects, so optimizers built before keep working; their state-dict keys gain the wrapper's prefix.
+    Returns the wrapped runs as ``"path[first:stop]"``.
+    """
+    _check_rows("min_windows", min_windows)
+    wrapped: list[str] = []
+
+    def convert(module: nn.Module, path: str) -> None:
+        if isinstance(module, RowCentric):
+            return
+        if not isinstance(module, nn.Sequential):
+            for name, child in module.named_children():
+                convert(child, f"{path}.{name}" if path else name)
+            return
+        items = list(module._modules.items())
+        kept: list[tuple[str, nn.Module]] = []
+        run: list[int] = []
+
+        def close_run() -> None:
+            if sum(_count_windows(items[i][1]) for i in run) >= min_windows:
+                stack = nn.Sequential(*(items[i][1] for i in run))
+                kept.append((items[run[0]][0], RowCentric(stack, rows=rows, mode=mode,
+                                                          checkpoint_groups=checkpoint_groups,
+                                                          backward_rows=backward_rows)))
+                wrapped.append(f"{path or type(model).__name__}[{run[0]}:{run[-1] + 1}]")
+            else:
+                for i in run:
+                    convert(items[i][1], f"{path}.{items[i][0]}" if path else items[i][0])
+                    kept.append(items[i])
+            run.clear()
+
+        for i, (name, child) in enumerate(items):
+            if _row_separable(child, name):
+                run.append(i)
+                continue
+            close_run()
+            convert(child, f"{path}.{name}" if path else name)
+            kept.append((name, child))
+        close_run()
+        if [m for _, m in kept] != [m for _, m in items]:
+            module._modules.clear()
+            module._modules.update(kept)
+
+    convert(model, "")
+    return wrapped
