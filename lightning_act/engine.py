@@ -294,10 +294,11 @@ class ActivationCompressor:
             self._codecs[key] = codecs.get(name, **options)
         return self._codecs[key]
 
-    def _record(self, index, t, kind, codec, bits, original, stored, reason="", offloaded=False) -> None:
+    def _record(self, index, t, kind, codec, bits, original, stored, reason="", offloaded=False,
+                error_bound=None) -> None:
         step = self._step
         step.records.append(TensorRecord(index, tuple(t.shape), t.dtype, kind, codec, bits, original, stored,
-                                         reason, step.phase, offloaded))
+                                         reason, step.phase, offloaded, error_bound))
 
     def _keep(self, index: int, t: torch.Tensor, reason: str, nbytes: int, guard=True) -> _Saved:
         self._record(index, t, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes, reason)
@@ -337,7 +338,7 @@ class ActivationCompressor:
             if self.swap_store is not None and step.phase == "forward":  # recomputed tensors live briefly
                 swapped, packed = self.swap_store.put(step.number, index, packed), None
             self._record(index, t, COMPRESSED, codec.name, codec.bits_per_element(unit), original, stored,
-                         offloaded=swapped is not None)
+                         offloaded=swapped is not None, error_bound=codec.error_bound)
             saved = _Saved(_VersionGuard(t), packed=packed, swapped=swapped, codec=codec, geometry=geometry,
                            shape=t.shape)
         step.seen[key] = (StorageWeakRef(t.untyped_storage()), saved)

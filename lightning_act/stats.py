@@ -28,6 +28,7 @@ class TensorRecord:
     reason: str = ""
     phase: str = "forward"  # or "recompute": saved while a checkpoint recomputed its segment in backward
     offloaded: bool = False  # stored in host memory (swap), not on the device
+    error_bound: float | None = None  # the codec's absolute error bound, for error-bounded codecs
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,18 @@ def test_step_metrics_and_histograms_from_records():
     assert tensor_histograms(CompressionStats()) == {}
 
 
+def test_error_bounded_codecs_record_their_bound_for_the_histogram():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
+    compressor = act.ActivationCompressor(model, act.ACTConfig(codec="lorenzo", error_bound=1e-3))
+    with compressor.compress():
+        loss = model(torch.randn(64, 64)).sum()
+    loss.backward()
+    stats = compressor.stats()
+    bounds = [r.error_bound for r in stats.records if r.kind == COMPRESSED]
+    assert bounds and all(b == 1e-3 for b in bounds)
+    assert tensor_histograms(stats)["act/tensor_error_bound"].tolist() == bounds
+
+
 class _CheckingCNN(TinyCNN):
     """Keeps each step's compressor statistics, to compare with what the monitor logged."""
 

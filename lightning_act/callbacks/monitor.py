@@ -40,8 +40,7 @@ def tensor_histograms(stats: CompressionStats) -> dict[str, torch.Tensor]:
     series = {
         "tensor_bits": [r.bits for r in compressed],
         "tensor_ratio": [r.original_bytes / r.stored_bytes for r in compressed if r.stored_bytes],
-        # records gain an ``error_bound`` when the engine stores one; quantized tensors have none
-        "tensor_error_bound": [b for r in compressed if (b := getattr(r, "error_bound", None)) is not None],
+        "tensor_error_bound": [r.error_bound for r in compressed if r.error_bound is not None],
     }
     return {PREFIX + k: torch.tensor(v, dtype=torch.float64) for k, v in series.items() if v}
 

@@ -45,6 +45,8 @@ class Codec(ABC):
 
     name: ClassVar[str]
     lossless: ClassVar[bool] = False
+    # Absolute bound on |x - decode(encode(x))| the codec guarantees per element (error-bounded codecs), else None.
+    error_bound: float | None = None
 
     @abstractmethod
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
