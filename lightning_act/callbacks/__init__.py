@@ -1,4 +1,8 @@
-"""Lightning callbacks: ``CompressionMonitor`` logs the compression of every training step under ``act/``."""
+"""Lightning callbacks: ``CompressionMonitor`` logs the compression of every training step under ``act/``;
+``AutoPrecision`` re-estimates per-tensor bits (GACT); ``ErrorBoundCallback`` adapts per-layer ``lorenzo`` error
+bounds from the optimizer's momentum (Jin et al.)."""
+from .auto_precision import AutoPrecision
+from .error_bound import ErrorBoundCallback
 from .monitor import CompressionMonitor
 
-__all__ = ["CompressionMonitor"]
+__all__ = ["AutoPrecision", "CompressionMonitor", "ErrorBoundCallback"]
