@@ -52,7 +52,40 @@ def test_momentum_in_gradient_units_for_sgd_and_adam():
     adam = torch.optim.Adam([p], betas=(0.9, 0.99))
     adam.step()
     assert momentum_magnitude(adam, p) == pytest.approx(2.0)  # bias-corrected exp_avg
-    assert momentum_magnitude(None, p) == pytest.approx(2.0)  # no optimizer: the gradient
+    assert momentum_magnitude(None, p) is None  # no optimizer, no momentum
+    assert momentum_magnitude(torch.optim.SGD([p], lr=0.1), p) is None  # plain SGD keeps none
+
+
+def test_optimizer_without_momentum_gets_the_fallback_bound_with_a_warning():
+    model = _mlp()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    controller = ErrorBoundController(compressor, optimizer, interval=2, fallback_error_bound=5e-3)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    with controller, pytest.warns(UserWarning, match=r"SGD keeps no momentum for layers 0, 2; .*"
+                                                     r"fallback_error_bound=0.005"):
+        assert _train_step(model, compressor, optimizer, controller, x, y) == {"0": 5e-3, "2": 5e-3}
+    assert {r.error_bound for r in compressor.stats().records if r.codec == "lorenzo"} <= {5e-3}
+    with pytest.raises(ValueError, match="fallback_error_bound=0; expected a finite number > 0"):
+        ErrorBoundController(compressor, optimizer, fallback_error_bound=0)
+
+
+def test_controller_state_round_trips_bounds_and_schedule():
+    model = _mlp()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    optimizer = torch.optim.Adam(model.parameters())
+    controller = ErrorBoundController(compressor, optimizer, interval=3)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    with controller:
+        for _ in range(4):
+            _train_step(model, compressor, optimizer, controller, x, y)
+    state = controller.state_dict()
+    assert state["steps"] == 4 and set(state["error_bounds"]) == {"0", "2"}
+    resumed = ErrorBoundController(compressor, optimizer, interval=3)
+    resumed.load_state_dict(state)
+    assert resumed.error_bounds == controller.error_bounds
+    assert not resumed._measuring  # step 4 is not a measured step (every 3rd is)
+    assert resumed(0, torch.randn(4)).error_bound == min(state["error_bounds"].values())
 
 
 def test_bounds_per_layer_follow_the_momentum():
@@ -187,6 +220,32 @@ def test_lightning_callback_logs_bounds_that_move_with_the_momentum():
     logged = open(os.path.join(logger.log_dir, "metrics.csv")).readline()
     assert "act/error_bound/net.0" in logged
     assert callback.controller._handles == []  # detached at the end of training
+
+
+def test_callback_state_is_saved_in_checkpoints_and_restored_on_resume(tmp_path):
+    xtr, ytr, _, _ = _digits()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xtr[:320], ytr[:320]), batch_size=64)
+    args = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    callback = ErrorBoundCallback(interval=2)
+    trainer = L.Trainer(strategy=act.ACTStrategy(act.ACTConfig(min_numel=0)), max_epochs=1, callbacks=[callback],
+                        **args)
+    trainer.fit(DigitsCNN(), loader)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    saved_bounds, saved_history = dict(callback.controller.error_bounds), list(callback.history)
+    assert callback.controller.steps == 5 and saved_bounds
+
+    class FirstBounds(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.seen = getattr(self, "seen", None) or dict(resumed.controller.error_bounds)
+
+    resumed, probe = ErrorBoundCallback(interval=2), FirstBounds()
+    trainer = L.Trainer(strategy=act.ACTStrategy(act.ACTConfig(min_numel=0)), max_epochs=2,
+                        callbacks=[resumed, probe], **args)
+    trainer.fit(DigitsCNN(), loader, ckpt_path=tmp_path / "last.ckpt")
+    assert probe.seen == saved_bounds  # the first resumed step compresses with the saved bounds
+    assert resumed.controller.steps == 10
+    assert resumed.history[:len(saved_history)] == saved_history
+    assert [step for step, _ in resumed.history] == [1, 3, 5, 7, 9]
 
 
 def test_callback_needs_a_compressing_strategy():

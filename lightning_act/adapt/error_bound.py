@@ -18,7 +18,8 @@ with the choices made here (measured every ``interval`` optimizer steps; bounds 
   no error), at least ``1 / numel``.
 * momentum, in gradient units (the paper: "the target sigma is 1% of the average of gradient"): SGD's
   ``momentum_buffer`` times ``1 - dampening`` if dampening else ``1 - momentum`` (the buffer sums a geometric
-  series of gradients), Adam's bias-corrected ``exp_avg``; without either, the weight's gradient.
+  series of gradients), Adam's bias-corrected ``exp_avg``. An optimizer without momentum (plain SGD, RMSprop,
+  none at all) gives nothing to adapt to: those layers get ``fallback_error_bound``, with a warning.
 
 A saved tensor gets the bound of the innermost tracked layer (a module with parameters of its own) running
 when autograd saves it: ``Linear``/``Conv`` save their input there. Tensors saved elsewhere (activation
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -41,6 +43,10 @@ from ..codecs.lorenzo import LorenzoCodec
 
 PAPER_COEFFICIENT = 0.32
 PAPER_MOMENTUM_FRACTION = 0.01
+DEFAULT_INTERVAL = 1000
+# Fixed bound for layers whose optimizer keeps no momentum (absolute; the adapted bounds of the recipes' models
+# come out between 1e-3 and 5e-2, so this errs on the accurate side).
+DEFAULT_FALLBACK_ERROR_BOUND = 1e-3
 
 
 @dataclass
@@ -79,7 +85,8 @@ def _group_of(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict:
 
 
 def momentum_magnitude(optimizer: torch.optim.Optimizer | None, param: nn.Parameter) -> float | None:
-    """Mean |momentum| of ``param`` in gradient units (an average of recent gradients), else mean |grad|."""
+    """Mean |momentum| of ``param`` in gradient units (an average of recent gradients); ``None`` when the
+    optimizer keeps no momentum for it."""
     state = optimizer.state.get(param, {}) if optimizer is not None else {}
     if state.get("momentum_buffer") is not None:
         group = _group_of(optimizer, param)
@@ -91,8 +98,6 @@ def momentum_magnitude(optimizer: torch.optim.Optimizer | None, param: nn.Parame
         step = float(state.get("step", 1))
         correction = 1 - beta1 ** step if step > 0 else 1.0
         return float(state["exp_avg"].abs().mean()) / correction
-    if param.grad is not None:
-        return float(param.grad.abs().mean())
     return None
 
 
@@ -118,15 +123,20 @@ class ErrorBoundController:
     ...         loss.backward(); optimizer.step(); optimizer.zero_grad()
     ...         controller.step()            # after the optimizer step: refresh every ``interval`` steps
 
-    ``error_bounds`` maps layer names to the current absolute bounds.
+    ``error_bounds`` maps layer names to the current absolute bounds. Statistics are gathered on the first step
+    and then every ``interval``-th (the paper's W); other steps only pick the codec. Layers whose optimizer
+    keeps no momentum get ``fallback_error_bound`` (warned once). ``state_dict()`` / ``load_state_dict()`` carry
+    the bounds and the step count across a checkpoint.
     """
 
-    def __init__(self, compressor, optimizer: torch.optim.Optimizer | None = None, *, interval: int = 100,
-                 coefficient: float = PAPER_COEFFICIENT, momentum_fraction: float = PAPER_MOMENTUM_FRACTION,
-                 initial_error_bound: float | None = None, model: nn.Module | None = None):
+    def __init__(self, compressor, optimizer: torch.optim.Optimizer | None = None, *,
+                 interval: int = DEFAULT_INTERVAL, coefficient: float = PAPER_COEFFICIENT,
+                 momentum_fraction: float = PAPER_MOMENTUM_FRACTION, initial_error_bound: float | None = None,
+                 fallback_error_bound: float = DEFAULT_FALLBACK_ERROR_BOUND, model: nn.Module | None = None):
         check_int("interval", interval, minimum=1)
         check_positive_float("coefficient", coefficient)
         check_positive_float("momentum_fraction", momentum_fraction)
+        check_positive_float("fallback_error_bound", fallback_error_bound)
         if initial_error_bound is not None:
             check_positive_float("initial_error_bound", initial_error_bound)
         model = model if model is not None else compressor.model
@@ -134,7 +144,7 @@ class ErrorBoundController:
             raise ValueError("ErrorBoundController needs a model: the compressor has none; pass model=")
         self.compressor, self.optimizer, self.model = compressor, optimizer, model
         self.interval, self.coefficient, self.momentum_fraction = interval, coefficient, momentum_fraction
-        self.initial_error_bound = initial_error_bound
+        self.initial_error_bound, self.fallback_error_bound = initial_error_bound, fallback_error_bound
         self.layers = tracked_layers(model)
         self._name_of = {id(m): name for name, m in self.layers.items()}
         self.error_bounds: dict[str, float] = {}
@@ -145,6 +155,7 @@ class ErrorBoundController:
         self._handles: list = []
         self._codecs: dict[float, Codec] = {}
         self._previous_policy = None
+        self._warned_no_momentum = False
 
     # ---- hooks ------------------------------------------------------------------------------------------
     def attach(self) -> "ErrorBoundController":
@@ -233,15 +244,36 @@ class ErrorBoundController:
 
     def refresh(self) -> dict[str, float]:
         """Recompute every layer's bound from the current momentum and the last measured step."""
-        changed = {}
+        changed, without_momentum = {}, []
         for name, module in self.layers.items():
             stats = self.stats.get(name)
-            momentum = momentum_magnitude(self.optimizer, _weight(module))
-            if stats is None or momentum is None:
+            if stats is None:
                 continue
-            bound = paper_error_bound(momentum, stats.mean_grad, stats.terms, stats.nonzero, self.coefficient,
-                                      self.momentum_fraction)
+            momentum = momentum_magnitude(self.optimizer, _weight(module))
+            if momentum is None:
+                without_momentum.append(name)
+                bound = self.fallback_error_bound
+            else:
+                bound = paper_error_bound(momentum, stats.mean_grad, stats.terms, stats.nonzero, self.coefficient,
+                                          self.momentum_fraction)
             if bound is not None and bound != self.error_bounds.get(name):
                 self.error_bounds[name] = changed[name] = bound
+        if without_momentum and not self._warned_no_momentum:
+            self._warned_no_momentum = True
+            given = type(self.optimizer).__name__ if self.optimizer is not None else "no optimizer"
+            warnings.warn(
+                f"lightning_act: {given} keeps no momentum for layers {', '.join(without_momentum)}; their lorenzo "
+                f"error bound stays at fallback_error_bound={self.fallback_error_bound:g}. Use SGD with momentum, "
+                "Adam or AdamW to adapt it (Jin et al. eq. 9).", stacklevel=2)
         self._codecs = {b: c for b, c in self._codecs.items() if b in self.error_bounds.values()}
         return changed
+
+    def state_dict(self) -> dict:
+        """The bounds and the step count (a resumed run keeps its bounds and refresh schedule)."""
+        return {"error_bounds": dict(self.error_bounds), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.error_bounds = dict(state["error_bounds"])
+        self.steps = int(state["steps"])
+        self._measuring = self.steps % self.interval == 0
+        self.stats.clear()

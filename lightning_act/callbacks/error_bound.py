@@ -5,7 +5,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from ..adapt.error_bound import PAPER_COEFFICIENT, PAPER_MOMENTUM_FRACTION, ErrorBoundController
+from ..adapt.error_bound import (DEFAULT_FALLBACK_ERROR_BOUND, DEFAULT_INTERVAL, PAPER_COEFFICIENT,
+                                  PAPER_MOMENTUM_FRACTION, ErrorBoundController)
 
 PREFIX = "act/error_bound/"
 
@@ -13,15 +14,18 @@ PREFIX = "act/error_bound/"
 class ErrorBoundCallback(Callback):
     """Compresses each layer's saved activations with ``lorenzo`` at a bound derived from the optimizer's
     momentum every ``interval`` steps (see :mod:`lightning_act.adapt.error_bound`), and logs the bounds as
-    ``act/error_bound/<layer>`` whenever a refresh changes them. Needs an ``ACTStrategy``/``ACTDDPStrategy``."""
+    ``act/error_bound/<layer>`` whenever a refresh changes them. Needs an ``ACTStrategy``/``ACTDDPStrategy``.
+    Its state (bounds, step count, history) is saved in Lightning checkpoints and restored on resume."""
 
-    def __init__(self, interval: int = 100, coefficient: float = PAPER_COEFFICIENT,
-                 momentum_fraction: float = PAPER_MOMENTUM_FRACTION, initial_error_bound: float | None = None):
+    def __init__(self, interval: int = DEFAULT_INTERVAL, coefficient: float = PAPER_COEFFICIENT,
+                 momentum_fraction: float = PAPER_MOMENTUM_FRACTION, initial_error_bound: float | None = None,
+                 fallback_error_bound: float = DEFAULT_FALLBACK_ERROR_BOUND):
         self.options = {"interval": interval, "coefficient": coefficient, "momentum_fraction": momentum_fraction,
-                        "initial_error_bound": initial_error_bound}
+                        "initial_error_bound": initial_error_bound, "fallback_error_bound": fallback_error_bound}
         self.controller: ErrorBoundController | None = None
         # (global step, layer -> bound) at every refresh, for inspection after training
         self.history: list[tuple[int, dict[str, float]]] = []
+        self._restored: dict | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not hasattr(trainer.strategy, "compressor"):
@@ -33,6 +37,16 @@ class ErrorBoundCallback(Callback):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self.controller = ErrorBoundController(trainer.strategy.compressor, optimizer, model=pl_module,
                                                **self.options).attach()
+        if self._restored is not None:
+            self.controller.load_state_dict(self._restored)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.controller.state_dict() if self.controller is not None else self._restored or {}
+        return {**state, "history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))
+        self._restored = {k: v for k, v in state_dict.items() if k != "history"} or None
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.controller is None or not self.controller.step():
