@@ -3,21 +3,22 @@
 =====  ======================================================  ====  ==========================================
 level  what it does                                            bits  fields it sets
 =====  ======================================================  ====  ==========================================
-L0     no compression (saved tensors kept as they are)          32    codec="none"
-L1     per-group quantization; adaptive bits (average            4    codec="quantize"
-       ``bit_budget``) when the ``AutoPrecision`` callback is
-       attached, fixed ``bits`` otherwise
+L0     no compression (saved tensors kept as they are)          32    codec="none", adaptive=False
+L1     per-group quantization with auto-precision: per-tensor    4    codec="quantize", adaptive=True
+       bits from sensitivities, ``bits`` on average
 L2     L1 + swap to host memory with prefetch                    4    swap=True
 CB1    L1 + gradient checkpointing (compressed inputs and        4    checkpointing=True
        recomputed tensors)
 CB2    CB1 + memory-efficient (chunked) self-attention           4    checkpointing=True, efficient_attention=True
 =====  ======================================================  ====  ==========================================
 
-``L0`` with ``swap=True`` is GACT's uncompressed "swap" baseline.
+``L0`` with ``swap=True`` is GACT's uncompressed "swap" baseline; ``adaptive=False`` keeps every tensor at the
+fixed ``bits``.
 
-GACT's auto-precision needs extra forward/backward passes on the user's batch, which only a callback (or the
-plain ``AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn)`` call) can run: a strategy alone
-compresses every tensor at the fixed ``bits``.
+GACT's auto-precision needs extra forward/backward passes on the user's batch (every ``adapt_interval`` steps):
+the Lightning strategies add an ``AutoPrecision`` callback for them when ``adaptive`` (automatic optimization);
+in plain PyTorch call ``AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn)``. Until a first
+estimate exists, and without either, tensors get the fixed ``bits``.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ _OFF = {"swap": False, "checkpointing": False, "efficient_attention": False}
 _L1 = {"codec": "quantize", "bits": 4}
 # What each level sets when the user leaves the field unset (None).
 _LEVEL_PRESETS: dict[str, dict[str, Any]] = {
-    "L0": {"codec": "none", "bits": 32, **_OFF},
+    "L0": {"codec": "none", "bits": 32, "adaptive": False, **_OFF},
     "L1": {**_L1, **_OFF},
     "L2": {**_L1, **_OFF, "swap": True},
     "CB1": {**_L1, **_OFF, "checkpointing": True},
@@ -50,7 +51,10 @@ class ACTConfig:
         opt_level: GACT optimisation level, one of ``LEVELS`` (see the module table). Unset fields take the
             level's preset.
         codec: codec for float activations (``act.codecs.available()``); ``None`` = the level's.
-        bits: bits per element for ``quantize`` (1, 2, 4, 8, 16, 32); ``None`` = the level's.
+        bits: bits per element for ``quantize`` (1, 2, 4, 8, 16, 32); ``None`` = the level's. With ``adaptive``,
+            the average (the default ``bit_budget``) and the bits of tensors not yet estimated.
+        adaptive: GACT auto-precision (per-tensor bits from estimated sensitivities) for ``quantize``; ``None`` =
+            on for the compressing levels when the codec is ``quantize``, off otherwise.
         group_size: elements per quantization group (multiple of 32).
         stats_dtype: dtype of per-group statistics, ``"float32"`` or ``"bfloat16"``.
         min_numel: tensors with fewer elements are kept as they are (compressing them costs more than it saves).
@@ -77,6 +81,7 @@ class ACTConfig:
     opt_level: str = "L1"
     codec: str | None = None
     bits: int | None = None
+    adaptive: bool | None = None
     group_size: int = 256
     stats_dtype: str = "float32"
     min_numel: int = 4096
@@ -100,6 +105,12 @@ class ACTConfig:
                 object.__setattr__(self, name, value)
         check_choice("codec", self.codec, codecs.available())
         check_choice("bits", self.bits, ALLOWED_BITS)
+        if self.adaptive is None:
+            object.__setattr__(self, "adaptive", self.codec == "quantize")
+        check_choice("adaptive", self.adaptive, (True, False))
+        if self.adaptive and self.codec != "quantize":
+            raise ValueError(f"adaptive=True allocates bits of the 'quantize' codec; got codec={self.codec!r} "
+                             "(use codec='quantize', or adaptive=False)")
         if self.opt_level == "L0" and (self.codec != "none" or self.bits != 32):
             raise ValueError(
                 f"opt_level='L0' means no compression; got codec={self.codec!r}, bits={self.bits}: "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from typing import Any
 
 import torch
@@ -42,6 +43,26 @@ class _ACTStrategyMixin:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.compressor.compress():
             return super().training_step(*args, **kwargs)
+
+    def connect(self, model: Any) -> None:
+        """Attach the module; with ``adaptive`` (GACT's L1 and up) also add an ``AutoPrecision`` callback to the
+        Trainer unless one is there, so the levels mean what GACT's Table 1 says without further setup."""
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        if not self.act_config.adaptive or trainer is None:
+            return
+        from .callbacks.auto_precision import AutoPrecision
+
+        if any(isinstance(c, AutoPrecision) for c in trainer.callbacks):
+            return
+        if not model.automatic_optimization:
+            warnings.warn(
+                "lightning_act: auto-precision replays training_step, which steps the optimizer under manual "
+                f"optimization; every tensor gets the fixed bits={self.act_config.bits}. Call "
+                "AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn) from training_step to adapt, "
+                "or pass ACTConfig(adaptive=False) to silence this.", stacklevel=2)
+            return
+        trainer.callbacks.append(AutoPrecision())
 
 
 def _build(pl_name: str) -> tuple[type, type]:

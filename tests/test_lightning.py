@@ -42,8 +42,22 @@ def test_act_strategy_trains_and_compresses(extra):
     assert len(model.compressed_ratios) == 4
     assert all(r > 3 for r in model.compressed_ratios)
     stats = trainer.strategy.compressor.stats()
-    # activations at the configured 4 bits; ReLU outputs also as 1-bit masks for the ReLU backward
-    assert _bits_by_codec(stats) == {"quantize": {4.0}, "positive_mask": {1.0}}
+    # L1 is adaptive (GACT Table 1): the strategy added AutoPrecision, which spread the bits at 4 on average;
+    # ReLU outputs are also stored as 1-bit masks for the ReLU backward
+    assert sum(isinstance(c, act.callbacks.AutoPrecision) for c in trainer.callbacks) == 1
+    bits = _bits_by_codec(stats)
+    assert bits["positive_mask"] == {1.0} and bits["quantize"] <= {1.0, 2.0, 4.0, 8.0, 32.0}
+    quantized = [(r.bits, r.original_bytes) for r in stats.records if r.codec == "quantize"]
+    average = sum(b * n for b, n in quantized) / sum(n for _, n in quantized)
+    assert 2.0 <= average <= 4.0
+
+
+def test_fixed_bits_without_auto_precision():
+    torch.manual_seed(0)
+    trainer = L.Trainer(strategy=act.ACTStrategy(act.ACTConfig(bits=4, adaptive=False)), **TRAINER_ARGS)
+    trainer.fit(TinyCNN(), random_loader())
+    assert not any(isinstance(c, act.callbacks.AutoPrecision) for c in trainer.callbacks)
+    assert _bits_by_codec(trainer.strategy.compressor.stats()) == {"quantize": {4.0}, "positive_mask": {1.0}}
 
 
 def test_manual_optimization():
@@ -51,7 +65,8 @@ def test_manual_optimization():
     model = TinyCNN(manual=True)
     before = _params(model)
     trainer = L.Trainer(strategy=act.ACTStrategy(act.ACTConfig(bits=2)), **TRAINER_ARGS)
-    trainer.fit(model, random_loader())
+    with pytest.warns(UserWarning, match="auto-precision replays training_step.*fixed bits=2"):
+        trainer.fit(model, random_loader())
     assert not torch.equal(before, _params(model))
     assert _bits_by_codec(trainer.strategy.compressor.stats()) == {"quantize": {2.0}, "positive_mask": {1.0}}
 
