@@ -26,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def fresh_accelerator_state():
+    # each test builds its own Accelerator; a transformers Trainer elsewhere in the session may have left one
+    AcceleratorState._reset_state(reset_partial_state=True)
     yield
-    AcceleratorState._reset_state(reset_partial_state=True)  # each test builds its own Accelerator
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _mlp():
