@@ -334,6 +334,21 @@ def test_l1_callback_allocates_logs_and_resumes_from_checkpoint(tmp_path):
     assert resumed.assignment() == auto.assignment() and resumed.last_adapted_step == 0
 
 
+def test_tensorboard_gets_bits_and_sensitivity_histograms(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    auto = AutoPrecision(adapt_interval=100, bit_budget=3)
+    _fit(act.ACTConfig(bits=4), [auto], logger=TensorBoardLogger(str(tmp_path), name="tb", version=0), max_steps=2)
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"histograms": 0}).Reload()
+    assert {"act/adapt/average_bits", "act/adapt/compression_variance"} <= set(events.Tags()["scalars"])
+    bits = events.Histograms("act/adapt/tensor_bits")[-1].histogram_value
+    assert (bits.num, bits.sum, bits.max) == (len(auto.bits), sum(auto.bits), max(auto.bits))
+    sensitivity = events.Histograms("act/adapt/tensor_sensitivity")[-1].histogram_value
+    assert sensitivity.num == len(auto.sensitivities)
+    assert sensitivity.sum == pytest.approx(sum(auto.sensitivities), rel=1e-6)
+
+
 def test_ddp_two_processes_end_with_identical_assignments(tmp_path: Path):
     script = tmp_path / "ddp_auto.py"
     script.write_text(textwrap.dedent(f"""

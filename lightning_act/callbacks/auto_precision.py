@@ -32,6 +32,7 @@ from ..adapt.sensitivity import GradientVariance, Layout, LayoutRecorder, Sensit
     estimate_sensitivities
 from ..config import ACTConfig
 from ..engine import ActivationCompressor
+from .monitor import log_to_loggers
 
 log = logging.getLogger(__name__)
 PREFIX = "act/adapt/"
@@ -251,8 +252,10 @@ class AutoPrecision(Callback):
         for key, b, c in zip(self.layout, self.bits, self.sensitivities):
             values[f"bits/{key.index:04d}"] = float(b)
             values[f"sensitivity/{key.index:04d}"] = c
-        for logger in trainer.loggers:
-            logger.log_metrics({PREFIX + k: v for k, v in values.items()}, step=trainer.global_step)
+        histograms = {PREFIX + "tensor_bits": torch.tensor(self.bits, dtype=torch.float64),
+                      PREFIX + "tensor_sensitivity": torch.tensor(self.sensitivities, dtype=torch.float64)}
+        log_to_loggers(trainer.loggers, {PREFIX + k: v for k, v in values.items()},
+                       histograms if self.bits else {}, trainer.global_step)
 
 
 def _state(layout: Layout, bits: list[int], sensitivities: list[float], cursor: int) -> dict[str, Any]:

@@ -45,6 +45,15 @@ def tensor_histograms(stats: CompressionStats) -> dict[str, torch.Tensor]:
     return {PREFIX + k: torch.tensor(v, dtype=torch.float64) for k, v in series.items() if v}
 
 
+def log_to_loggers(loggers, metrics: dict[str, float], histograms: dict[str, torch.Tensor], step: int) -> None:
+    """Scalars to every Lightning logger; histograms to the TensorBoard ones (other loggers have none)."""
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
+        if histograms and isinstance(logger, TensorBoardLogger):
+            for tag, values in histograms.items():
+                logger.experiment.add_histogram(tag, values, global_step=step)
+
+
 class CompressionMonitor(Callback):
     """Logs the compression of a training step every ``log_every_n_steps`` optimizer steps (default: the
     Trainer's) through the Trainer's loggers: the :func:`step_metrics` scalars to every logger, and the
@@ -76,8 +85,4 @@ class CompressionMonitor(Callback):
         stats = trainer.strategy.compressor.stats()
         metrics = step_metrics(stats)
         histograms = tensor_histograms(stats) if self.histograms else {}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-            if histograms and isinstance(logger, TensorBoardLogger):
-                for tag, values in histograms.items():
-                    logger.experiment.add_histogram(tag, values, global_step=step)
+        log_to_loggers(trainer.loggers, metrics, histograms, step)
