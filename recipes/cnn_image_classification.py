@@ -29,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _summary import RunResult, summary_table  # noqa: E402
-from demo_digits import StepTimer, digits_tensors, split_loaders  # noqa: E402
+from demo_digits import ImageClassifierBase, StepTimer, digits_tensors, split_loaders  # noqa: E402
 
 import lightning_act as act  # noqa: E402
 
@@ -100,7 +100,7 @@ class BasicBlock(nn.Module):
         return self.relu(self.body(x) + self.shortcut(x))
 
 
-class ImageClassifier(L.LightningModule):
+class ImageClassifier(ImageClassifierBase):
     """A ResNet-8 style network for any image size: stem, three stages of basic blocks (width w, 2w, 4w; the
     last two halve the resolution), global average pooling, linear head."""
 
@@ -112,24 +112,6 @@ class ImageClassifier(L.LightningModule):
             nn.Conv2d(in_channels, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
             BasicBlock(w, w, 1), BasicBlock(w, 2 * w, 2), BasicBlock(2 * w, 4 * w, 2),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, classes))
-        self.val_correct = self.val_total = 0
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def on_validation_epoch_start(self):
-        self.val_correct = self.val_total = 0
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.val_correct += (self.net(x).argmax(1) == y).sum().item()
-        self.val_total += len(y)
-
-    def on_validation_epoch_end(self):
-        self.log("val/accuracy", self.val_correct / max(1, self.val_total), prog_bar=True)
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, weight_decay=5e-4)

@@ -18,19 +18,16 @@ from torch import nn
 import lightning_act as act
 
 
-class DigitsCNN(L.LightningModule):
-    def __init__(self, lr: float = 2e-3):
-        super().__init__()
-        self.lr = lr
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2), nn.Linear(64 * 16, 10))
-        self.val_correct = self.val_total = 0
+class ImageClassifierBase(L.LightningModule):
+    """Cross-entropy training of ``self.net``; validation counts correct predictions (``val_correct/val_total``)."""
+
+    val_correct = val_total = 0
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
 
     def on_validation_epoch_start(self):
         self.val_correct = self.val_total = 0
@@ -39,6 +36,19 @@ class DigitsCNN(L.LightningModule):
         x, y = batch
         self.val_correct += (self.net(x).argmax(1) == y).sum().item()
         self.val_total += len(y)
+
+    def on_validation_epoch_end(self):
+        self.log("val/accuracy", self.val_correct / max(1, self.val_total), prog_bar=True)
+
+
+class DigitsCNN(ImageClassifierBase):
+    def __init__(self, lr: float = 2e-3):
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2), nn.Linear(64 * 16, 10))
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -95,7 +105,7 @@ def run(strategy, epochs: int, batch_size: int, seed: int = 0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--bits", type=int, default=4, help="bits per activation element (1, 2, 4, 8)")
+    parser.add_argument("--bits", type=int, default=4, help="average bits per quantized activation element (L1 auto-precision budget: 1, 2, 4, 8)")
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -111,7 +121,7 @@ def main(argv=None):
         ("step time ratio (act / plain)", "1.00", f"{act_step / base_step:.2f}"),
         ("final validation accuracy", f"{base_acc:.4f}", f"{act_acc:.4f}"),
     ]
-    print(f"\nDigits CNN, {args.epochs} epochs, batch {args.batch_size}, {args.bits}-bit activations (L1)\n")
+    print(f"\nDigits CNN, {args.epochs} epochs, batch {args.batch_size}, level L1: quantized activations at {args.bits} bits on average (auto-precision)\n")
     print(f"| {'':34} | {'plain':>16} | {'strategy=act':>16} |")
     print(f"|{'-' * 36}|{'-' * 18}|{'-' * 18}|")
     for name, a, b in rows:
