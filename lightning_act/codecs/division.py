@@ -57,7 +57,8 @@ def planes_and_spatial(shape: torch.Size | tuple[int, ...]) -> tuple[int, tuple[
     return math.prod(shape[:-spatial_dims]), tuple(shape[-spatial_dims:])
 
 
-def _blocks(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
+def block_counts(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
+    """Blocks of size ``block`` per spatial dim (the last one may be partial)."""
     return tuple(-(-s // block) for s in spatial)
 
 
@@ -65,7 +66,7 @@ def low_frequency_copy(x: torch.Tensor, block: int) -> torch.Tensor:
     """Block means of ``x`` (``planes x spatial``, any float dtype) in bfloat16, partial edge blocks averaged
     over their elements inside the tensor; the summation order is the kernel's (module docstring)."""
     spatial = tuple(x.shape[1:])
-    blocks = _blocks(spatial, block)
+    blocks = block_counts(spatial, block)
     pad = [p for s, n in zip(reversed(spatial), reversed(blocks)) for p in (0, n * block - s)]
     t = F.pad(x.float(), pad)
     t = t.view(x.shape[0], *[d for n in blocks for d in (n, block)])
@@ -136,8 +137,14 @@ class DivisionCodec(Codec):
                      (("lfc", torch.bfloat16), ("payload", torch.uint8), ("mn", torch.bfloat16),
                       ("step", torch.bfloat16))}
             return Packed(self.name, x.shape, x.dtype, x.device, empty, meta)
-        lfc, payload, mn, step = division_encode_reference(
-            x.reshape(planes, *spatial), self.block_size, self.bits, self.seed, key)
+        if self._use_cupy(x):
+            from ..cuda.division import division_encode_cuda
+
+            lfc, payload, mn, step = division_encode_cuda(
+                x.reshape(planes, *spatial).contiguous(), self.block_size, self.bits, self.seed, key)
+        else:
+            lfc, payload, mn, step = division_encode_reference(
+                x.reshape(planes, *spatial), self.block_size, self.bits, self.seed, key)
         return Packed(self.name, x.shape, x.dtype, x.device,
                       {"lfc": lfc, "payload": payload, "mn": mn, "step": step}, meta)
 
@@ -145,9 +152,18 @@ class DivisionCodec(Codec):
         if packed.numel == 0:
             return torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
         b, m = packed.buffers, packed.meta
-        out = division_decode_reference(b["lfc"], b["payload"], b["mn"], b["step"], m["planes"], m["spatial"],
-                                        m["block_size"], m["bits"], packed.dtype)
-        return out.view(packed.shape)
+        args = (b["lfc"], b["payload"], b["mn"], b["step"], m["planes"], m["spatial"], m["block_size"], m["bits"],
+                packed.dtype)
+        if self._use_cupy(b["payload"]):
+            from ..cuda.division import division_decode_cuda
+
+            return division_decode_cuda(*args).view(packed.shape)
+        return division_decode_reference(*args).view(packed.shape)
+
+    def _use_cupy(self, t: torch.Tensor) -> bool:
+        from ..cuda import use_cupy_kernels
+
+        return use_cupy_kernels(self.backend, t)
 
     def bits_per_element(self, x: torch.Tensor) -> float:
         """Residual bits + the bfloat16 block means + two bfloat16 statistics per plane, per element."""
@@ -155,4 +171,4 @@ class DivisionCodec(Codec):
         numel = planes * math.prod(spatial)
         if numel == 0:
             return float(self.bits)
-        return self.bits + 16.0 * planes * (math.prod(_blocks(spatial, self.block_size)) + 2) / numel
+        return self.bits + 16.0 * planes * (math.prod(block_counts(spatial, self.block_size)) + 2) / numel

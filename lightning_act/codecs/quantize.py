@@ -150,19 +150,10 @@ class QuantizeCodec(Codec):
         return dequantize_reference(*args).view(packed.shape)
 
     def _use_cupy(self, t: torch.Tensor) -> bool:
-        """Whether the CuPy kernels handle ``t``: never with backend='torch'; always with 'cupy' (a CUDA tensor is
-        then required); with 'auto' for CUDA tensors when CuPy imports and the kernels take this format."""
-        if self.backend == "torch":
-            return False
-        if self.backend == "cupy":
-            if t.device.type != "cuda":
-                raise ValueError(f"backend='cupy' runs on CUDA tensors; got a tensor on {t.device} "
-                                 f"(use backend='auto' or 'torch' for CPU tensors)")
-            return True
-        from ..cuda import cupy_available
+        from ..cuda import use_cupy_kernels
         from ..cuda.quantize import supports
 
-        return t.is_cuda and supports(self.bits, self.group_size) and cupy_available()
+        return use_cupy_kernels(self.backend, t, supports(self.bits, self.group_size))
 
     def bits_per_element(self, x: torch.Tensor) -> float:
         if self.bits in PACKABLE_BITS:

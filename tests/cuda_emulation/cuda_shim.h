@@ -8,6 +8,7 @@
 // Limits: blockDim must be a multiple of 32 and warp primitives must be called by the full warp with a full
 // mask (what the project's kernels do); a violation aborts with a message rather than returning garbage.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -172,6 +173,10 @@ T atomicMax(T* address, T v) {
     }
     return old;
 }
+
+// CUDA's integer min/max overloads
+using std::max;
+using std::min;
 
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }

@@ -1,0 +1,108 @@
+"""Launchers of ``division.cu``: the same signatures and bits as ``division_encode_reference`` /
+``division_decode_reference``.
+
+Encode is three launches on the current stream (block means, per-plane statistics, packed codes), decode one.
+Per-element and per-cell kernels take one thread each; statistics take one block of 256 threads per plane.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .. import rng
+from ..codecs._bitpack import PACKABLE_BITS, packed_nbytes
+from ..codecs.division import MAX_SPATIAL_DIMS, block_counts
+from .launcher import KernelRunner, check_runner_device, check_tensor, default_runner, pointer
+from .quantize import DTYPE_CODES
+
+SOURCE = "division.cu"
+THREADS = 256
+# Grid cap; kernels grid-stride beyond it (tests lower it to exercise that loop).
+MAX_BLOCKS = 1 << 20
+
+
+def _grid(units: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    return (min(-(-units // THREADS), MAX_BLOCKS), 1, 1), (THREADS, 1, 1)
+
+
+def _layout_args(spatial: tuple[int, ...], block: int) -> tuple[np.int32, ...]:
+    """(d0, d1, d2, b0, b1, b2): spatial sizes padded in front to three dims of size 1 with block size 1."""
+    if not 1 <= len(spatial) <= MAX_SPATIAL_DIMS or any(s < 1 for s in spatial):
+        raise ValueError(f"spatial={spatial}; expected 1 to {MAX_SPATIAL_DIMS} sizes >= 1")
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block={block!r}; expected an int >= 1")
+    pad = MAX_SPATIAL_DIMS - len(spatial)
+    sizes = (1,) * pad + tuple(spatial)
+    blocks = (1,) * pad + (block,) * len(spatial)
+    return tuple(np.int32(v) for v in (*sizes, *blocks))
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"bits={bits!r}; the CUDA kernels take one of {', '.join(map(str, PACKABLE_BITS))}")
+
+
+def _check_packed(lfc, payload, mn, step, planes: int, spatial: tuple[int, ...], block: int, bits: int,
+                  device: torch.device) -> None:
+    """The encoded form, shared by encode (its outputs) and decode (its inputs)."""
+    cells = planes * math.prod(block_counts(spatial, block))
+    check_tensor("lfc", lfc, device=device, dtypes=(torch.bfloat16,), numel=cells)
+    check_tensor("payload", payload, device=device, dtypes=(torch.uint8,),
+                 numel=packed_nbytes(planes * math.prod(spatial), bits))
+    check_tensor("mn", mn, device=device, dtypes=(torch.bfloat16,), numel=planes)
+    check_tensor("step", step, device=device, dtypes=(torch.bfloat16,), numel=planes)
+
+
+def division_encode_cuda(x: torch.Tensor, block: int, bits: int, seed: int, key: int, *,
+                         runner: KernelRunner | None = None):
+    """Encode kernels: ``(lfc, payload, mn, step)`` bit-identical to ``division_encode_reference`` for ``x``
+    (contiguous) viewed as ``planes x spatial``."""
+    runner = runner or default_runner()
+    _check_bits(bits)
+    check_runner_device(runner, x.device)
+    check_tensor("x", x, device=x.device, dtypes=tuple(DTYPE_CODES))
+    if x.dim() < 2:
+        raise ValueError(f"x must be planes x spatial (2 to {MAX_SPATIAL_DIMS + 1} dims); got shape {tuple(x.shape)}")
+    planes, spatial = x.shape[0], tuple(x.shape[1:])
+    layout = _layout_args(spatial, block)
+    numel = x.numel()
+    new = lambda n, dtype: torch.empty(n, dtype=dtype, device=x.device)  # noqa: E731
+    lfc = torch.empty(planes, *block_counts(spatial, block), dtype=torch.bfloat16, device=x.device)
+    payload = new(packed_nbytes(numel, bits), torch.uint8)
+    mn, step = new(planes, torch.bfloat16), new(planes, torch.bfloat16)
+    if numel:
+        dtype = np.int32(DTYPE_CODES[x.dtype])
+        grid, threads = _grid(lfc.numel())
+        runner.launch(SOURCE, "division_lfc", grid, threads,
+                      (pointer(x), dtype, np.int64(planes), *layout, pointer(lfc)), 0, x.device)
+        runner.launch(SOURCE, "division_stats", (min(planes, MAX_BLOCKS), 1, 1), (THREADS, 1, 1),
+                      (pointer(x), dtype, pointer(lfc), np.int64(planes), *layout, np.int32(bits), pointer(mn),
+                       pointer(step)), 0, x.device)
+        grid, threads = _grid(payload.numel())
+        runner.launch(SOURCE, "division_encode", grid, threads,
+                      (pointer(x), dtype, pointer(lfc), pointer(mn), pointer(step), np.int64(numel), *layout,
+                       np.int32(bits), np.uint32(rng.stream_base(seed, key)), pointer(payload)), 0, x.device)
+    return lfc, payload, mn, step
+
+
+def division_decode_cuda(lfc, payload, mn, step, planes: int, spatial: tuple[int, ...], block: int, bits: int,
+                         dtype: torch.dtype, *, runner: KernelRunner | None = None) -> torch.Tensor:
+    """Decode kernel: ``planes x spatial`` in ``dtype``, bit-identical to ``division_decode_reference``."""
+    runner = runner or default_runner()
+    device = payload.device
+    _check_bits(bits)
+    check_runner_device(runner, device)
+    spatial = tuple(spatial)
+    layout = _layout_args(spatial, block)
+    _check_packed(lfc, payload, mn, step, planes, spatial, block, bits, device)
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype={dtype}; expected one of {', '.join(map(str, DTYPE_CODES))}")
+    out = torch.empty(planes, *spatial, dtype=dtype, device=device)
+    if out.numel():
+        grid, threads = _grid(out.numel())
+        runner.launch(SOURCE, "division_decode", grid, threads,
+                      (pointer(payload), pointer(lfc), pointer(mn), pointer(step), np.int64(out.numel()), *layout,
+                       np.int32(bits), pointer(out), np.int32(DTYPE_CODES[dtype])), 0, device)
+    return out

@@ -1,0 +1,174 @@
+"""The CUDA division kernels, run on CPU threads by the emulation harness, against the torch specification.
+
+Bit for bit: block means, payload bytes, statistics and decoded tensors (NaN positions must match, NaN bits
+need not; zero statistics compare by value, as in test_cuda_quantize)."""
+import pytest
+import torch
+
+import lightning_act.cuda.division as cuda_division
+from lightning_act.codecs.division import DivisionCodec, division_decode_reference, division_encode_reference
+from lightning_act.cuda.division import division_decode_cuda, division_encode_cuda
+from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
+from tests.test_cuda_quantize import DTYPES, _tensor_on, assert_same_bits
+
+BITS = [1, 2, 4, 8]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return EmulatorRunner()
+
+
+def check_encode_and_decode(runner, x, block, bits, seed=3, key=11):
+    """Emulated kernels == torch reference on ``x`` (planes x spatial): encode outputs, and decode of the
+    reference's encoding."""
+    expected = division_encode_reference(x, block, bits, seed, key)
+    lfc, payload, mn, step = division_encode_cuda(x.contiguous(), block, bits, seed, key, runner=runner)
+    assert_same_bits(lfc, expected[0])
+    assert_same_bits(payload, expected[1])
+    assert_same_bits(mn, expected[2], zero_sign_free=True)
+    assert_same_bits(step, expected[3], zero_sign_free=True)
+    decode_args = (*expected, x.shape[0], tuple(x.shape[1:]), block, bits, x.dtype)
+    assert_same_bits(division_decode_cuda(*decode_args, runner=runner), division_decode_reference(*decode_args))
+
+
+# planes x spatial: 1D rows, 2D maps, 3D volumes; spatial smaller than, not divisible by, equal to the block;
+# a plane of one element; planes whose packed codes share a byte (9 * 2 bits)
+SHAPES = [(1, 1), (3, 9), (2, 100), (4, 3, 3), (2, 17, 13), (3, 8, 16), (2, 3, 9, 11), (1, 4, 5, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.toolchain
+@requires_gxx
+def test_random_tensors_bit_identical(runner, bits, dtype, shape):
+    torch.manual_seed(bits + len(shape))
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    check_encode_and_decode(runner, x, 8, bits)
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 5])
+@pytest.mark.toolchain
+@requires_gxx
+def test_block_sizes(runner, block):
+    torch.manual_seed(block)
+    check_encode_and_decode(runner, torch.randn(3, 11, 7), block, 2)
+
+
+def _special(case: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(4, 12, 12)
+    if case == "constant":
+        return torch.full((4, 12, 12), 0.3)
+    if case == "signed_zeros":  # block sums of -0.0 and +0.0 padding: the sign depends on the order of adds
+        x = torch.zeros(4, 12, 12)
+        x[:2] = -0.0
+        x[1, :, 5] = 1.0
+    elif case == "nan":
+        x[1, 3, 4] = float("nan")
+    elif case == "inf":
+        x[2, 0, 0], x[3, 11, 11] = float("inf"), float("-inf")
+    elif case == "huge":
+        x = x * 1.5e38
+    elif case == "tiny":
+        x = x * 1e-42
+    return x
+
+
+@pytest.mark.parametrize("case", ["constant", "signed_zeros", "nan", "inf", "huge", "tiny"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_special_values_bit_identical(runner, dtype, case):
+    check_encode_and_decode(runner, _special(case).to(dtype), 8, 2)
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_grid_stride_loops_cover_work_beyond_the_grid(runner, monkeypatch):
+    monkeypatch.setattr(cuda_division, "MAX_BLOCKS", 2)
+    runner.launches.clear()
+    check_encode_and_decode(runner, torch.randn(6, 96, 64), 8, 4)  # 576 cells, 6 planes: 2 blocks each
+    assert {launch[2] for launch in runner.launches} == {(2, 1, 1)}
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 10, 12), (6, 50), (1,), (3, 1, 40, 40)], ids=str)
+@pytest.mark.toolchain
+@requires_gxx
+def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, monkeypatch, shape):
+    """DivisionCodec through the kernels (layout, reshape, buffers) == through torch, also for a strided input."""
+    monkeypatch.setattr(cuda_division, "default_runner", lambda: runner)
+    monkeypatch.setattr(DivisionCodec, "_use_cupy", lambda self, t: True)
+    torch.manual_seed(1)
+    x = torch.randn(*shape[:-1], shape[-1] * 2)[..., ::2]  # non-contiguous
+    kernel_packed = DivisionCodec(bits=2).encode(x, key=5)
+    monkeypatch.undo()
+    torch_codec = DivisionCodec(bits=2, backend="torch")
+    torch_packed = torch_codec.encode(x, key=5)
+    assert kernel_packed.nbytes == torch_packed.nbytes
+    for name, buffer in torch_packed.buffers.items():
+        assert_same_bits(kernel_packed.buffers[name].reshape(buffer.shape), buffer, zero_sign_free=name != "payload")
+    assert_same_bits(torch_codec.decode(kernel_packed), torch_codec.decode(torch_packed))
+
+
+def test_empty_tensor_launches_nothing():
+    runner = EmulatorRunner()
+    lfc, payload, mn, step = division_encode_cuda(torch.empty(0, 8), 8, 2, 0, 0, runner=runner)
+    assert lfc.numel() == payload.numel() == mn.numel() == step.numel() == 0
+    assert division_decode_cuda(lfc, payload, mn, step, 0, (8,), 8, 2, torch.float32, runner=runner).numel() == 0
+    assert runner.launches == []
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda r: division_encode_cuda(torch.randn(8, 4).t(), 8, 2, 0, 0, runner=r),
+     r"x must be contiguous; got strides \(1, 4\)"),
+    (lambda r: division_encode_cuda(torch.randn(2, 8, dtype=torch.float64), 8, 2, 0, 0, runner=r),
+     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16\); got torch.float64"),
+    (lambda r: division_encode_cuda(torch.randn(2, 8), 8, 3, 0, 0, runner=r),
+     r"bits=3; the CUDA kernels take one of 1, 2, 4, 8"),
+    (lambda r: division_encode_cuda(torch.randn(2, 8), 0, 2, 0, 0, runner=r), r"block=0; expected an int >= 1"),
+    (lambda r: division_encode_cuda(torch.randn(8), 8, 2, 0, 0, runner=r),
+     r"x must be planes x spatial \(2 to 4 dims\); got shape \(8,\)"),
+    (lambda r: division_encode_cuda(torch.randn(2, 2, 2, 2, 2), 8, 2, 0, 0, runner=r),
+     r"spatial=\(2, 2, 2, 2\); expected 1 to 3 sizes >= 1"),
+    (lambda r: division_encode_cuda(torch.randn(2, 8, device="meta"), 8, 2, 0, 0, runner=r),
+     r"tensors must be on a cpu device for EmulatorRunner; got meta"),
+    (lambda r: division_decode_cuda(torch.empty(1, 1, dtype=torch.bfloat16), torch.empty(2, dtype=torch.uint8),
+                                    torch.empty(1, dtype=torch.bfloat16), torch.empty(1), 1, (8,), 8, 2,
+                                    torch.float32, runner=r),
+     r"step must have dtype in \(torch.bfloat16\); got torch.float32"),
+    (lambda r: division_decode_cuda(torch.empty(1, 1, dtype=torch.bfloat16), torch.empty(3, dtype=torch.uint8),
+                                    torch.empty(1, dtype=torch.bfloat16), torch.empty(1, dtype=torch.bfloat16), 1,
+                                    (8,), 8, 2, torch.float32, runner=r),
+     r"payload must have 2 elements; got 3"),
+])
+def test_bad_arguments_are_refused_before_launch(call, match):
+    runner = EmulatorRunner()
+    with pytest.raises(ValueError, match=match):
+        call(runner)
+    assert runner.launches == []
+
+
+@pytest.mark.parametrize("backend, device, cupy_importable, expected", [
+    ("torch", "cuda:0", True, False),
+    ("auto", "cpu", True, False),
+    ("auto", "cuda:0", False, False),
+    ("auto", "cuda:0", True, True),
+    ("cupy", "cuda:0", True, True),
+])
+def test_backend_choice(monkeypatch, backend, device, cupy_importable, expected):
+    import lightning_act.cuda as cuda_pkg
+
+    monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
+    assert DivisionCodec(backend=backend)._use_cupy(_tensor_on(device)) is expected
+
+
+def test_without_cupy_the_cupy_backend_says_how_to_install_it():
+    import lightning_act.cuda as cuda_pkg
+
+    if cuda_pkg.cupy_available():
+        pytest.skip("CuPy is installed here")
+    with pytest.raises(ImportError, match=r"pip install 'lightning-act\[cuda\]'"):
+        DivisionCodec(backend="cupy")
