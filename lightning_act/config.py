@@ -150,7 +150,7 @@ class ACTConfig:
             return {}
         if self.codec == "division":  # block size and residual bits keep DIVISION's defaults (B=8, Q=2)
             return {"seed": self.seed, "backend": self.backend}
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"backend": self.backend}
         if self.error_bound is not None:
             options["error_bound"] = self.error_bound
         return options

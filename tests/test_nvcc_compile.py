@@ -25,7 +25,7 @@ def unit_text(name: str) -> str:
 
 
 def test_there_are_kernel_sources():
-    assert {"quantize.cu", "division.cu"} <= set(kernel_files())
+    assert {"quantize.cu", "division.cu", "lorenzo.cu"} <= set(kernel_files())
     assert all(kernel_names(unit_text(name)) for name in UNITS)
 
 

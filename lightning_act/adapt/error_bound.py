@@ -228,7 +228,7 @@ class ErrorBoundController:
     def codec(self, bound: float) -> Codec:
         """The (cached) ``lorenzo`` codec for ``bound``."""
         if bound not in self._codecs:
-            self._codecs[bound] = LorenzoCodec(error_bound=bound)
+            self._codecs[bound] = LorenzoCodec(error_bound=bound, backend=self.compressor.config.backend)
         return self._codecs[bound]
 
     # ---- refresh ----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Error-bounded Lorenzo codec with zero preservation, the specification for the CUDA kernels.
+"""Error-bounded Lorenzo codec with zero preservation, the specification for the CUDA kernels in
+``lightning_act/cuda/lorenzo.cu`` (bit for bit; ``backend="auto"`` runs them on CUDA tensors when CuPy imports).
 
 Strict guarantee, for every finite input element ``x`` of a float32/bfloat16/float16 tensor and its decode
 ``y`` (same dtype): ``|x - y| <= error_bound`` exactly (the real-number difference, not a rounded one);
@@ -51,17 +52,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .._validate import check_positive_float
+from .._validate import check_choice, check_positive_float
 from . import register
 from ._bitpack import pack_codes, unpack_codes
 from .base import Codec, Packed
+from .quantize import BACKENDS, FLOAT_DTYPES
 
 BLOCK = 32
 TMAX = float(1 << 29)
 MODE_RAW, MODE_LORENZO, MODE_SPARSE = 0, 1, 2
 # Elements per torch chunk: bounds the bit-plane temporaries (a few bytes per element and plane).
 CHUNK_ELEMENTS = 1 << 18
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def working_bound(error_bound: float) -> tuple[float, float, float]:
@@ -309,16 +310,27 @@ class LorenzoCodec(Codec):
 
     name = "lorenzo"
 
-    def __init__(self, error_bound: float | None = None):
+    def __init__(self, error_bound: float | None = None, backend: str = "auto"):
         check_positive_float("error_bound", error_bound)
+        check_choice("backend", backend, BACKENDS)
         self.error_bound = float(error_bound)
+        self.backend = backend
         self._last_bits = 32.0
+        if backend == "cupy":
+            from ..cuda import require_cupy
+
+            require_cupy()
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         if x.dtype not in FLOAT_DTYPES:
             raise ValueError(f"lorenzo codec takes float32/float16/bfloat16 tensors; got dtype={x.dtype}")
         flat = x.reshape(-1)
-        buffers = lorenzo_encode_reference(flat, self.error_bound)
+        if self._use_cupy(flat):
+            from ..cuda.lorenzo import lorenzo_encode_cuda
+
+            buffers = lorenzo_encode_cuda(flat.contiguous(), self.error_bound)
+        else:
+            buffers = lorenzo_encode_reference(flat, self.error_bound)
         packed = Packed(self.name, x.shape, x.dtype, x.device, buffers, {"error_bound": self.error_bound})
         raw_bytes = flat.numel() * flat.element_size()
         if packed.nbytes > raw_bytes:  # incompressible: the raw values, still zero-preserving
@@ -331,13 +343,22 @@ class LorenzoCodec(Codec):
     def decode(self, packed: Packed) -> torch.Tensor:
         if "raw" in packed.buffers:
             return packed.buffers["raw"].view(packed.shape)
-        flat = lorenzo_decode_reference(packed.buffers, packed.numel, packed.meta["error_bound"], packed.dtype)
-        return flat.view(packed.shape)
+        args = (packed.buffers, packed.numel, packed.meta["error_bound"], packed.dtype)
+        if self._use_cupy(packed.buffers["header"]):
+            from ..cuda.lorenzo import lorenzo_decode_cuda
+
+            return lorenzo_decode_cuda(*args).view(packed.shape)
+        return lorenzo_decode_reference(*args).view(packed.shape)
+
+    def _use_cupy(self, t: torch.Tensor) -> bool:
+        from ..cuda import use_cupy_kernels
+
+        return use_cupy_kernels(self.backend, t)
 
     def bits_per_element(self, x: torch.Tensor) -> float:
         """Stored bits per element of the most recent :meth:`encode` (the size depends on the data)."""
         return self._last_bits
 
     def __repr__(self) -> str:
-        return f"LorenzoCodec(error_bound={self.error_bound!r})"
+        return f"LorenzoCodec(error_bound={self.error_bound!r}, backend={self.backend!r})"
 

@@ -151,6 +151,11 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
     cuda_emu::check_full_mask(mask);
     return cuda_emu::warp_exchange(v, [=](unsigned lane) { return lane ^ unsigned(lane_mask); });
 }
+template <class T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
+    cuda_emu::check_full_mask(mask);
+    return cuda_emu::warp_exchange(v, [=](unsigned lane) { return lane >= delta ? lane - delta : lane; });
+}
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
     cuda_emu::check_full_mask(mask);
     const unsigned t = cuda_emu::linear_tid();
@@ -174,6 +179,8 @@ T atomicMax(T* address, T v) {
     return old;
 }
 
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
 // CUDA's integer min/max overloads
 using std::max;
 using std::min;

@@ -1,0 +1,227 @@
+// Kernels of the `lorenzo` codec. lightning_act/codecs/lorenzo.py (prequantize, encode_blocks, block_sizes,
+// decode_blocks, lorenzo_encode_reference, lorenzo_decode_reference) is the specification, bit for bit: its
+// module docstring defines the codes, the three block modes, the uint16 headers and the payload layout.
+//
+// Compiled at run time by NVRTC (CuPy RawModule): no #include, builtin types only, extern "C" names; every
+// float32 operation is an explicit __f*_rn intrinsic (no contracted multiply-add); 64-bit element and byte
+// offsets. The launcher prepends common.cuh (16-bit floats, load/store_float).
+//
+// One warp per block of 32 codes (lane i = element 32 * block + i), grid-stride over blocks:
+//   lorenzo_header   prequantize, choose the block's mode; write its header, payload size and escape count
+//   (launcher)       exclusive prefix sums of sizes and counts on the stream; the one host read: the totals,
+//                    to allocate the payload and escape buffers at their exact sizes
+//   lorenzo_payload  prequantize again (x is read twice rather than codes written and read), write the block's
+//                    payload at its offset and its escapes, in index order, at theirs
+//   lorenzo_decode   header + offset -> codes -> float32(q) * step in the output dtype
+//   lorenzo_scatter  one thread per escape: the raw value back at its index
+
+#define LORENZO_TMAX 536870912.0f  // 2**29: |codes| <= 2**29 + 1, deltas below 2**31
+#define MODE_RAW 0
+#define MODE_LORENZO 1
+#define MODE_SPARSE 2
+
+// _reconstruct: dtype(float32(q) * step), read back as float32
+__device__ __forceinline__ float lorenzo_reconstruct(int q, float step, int dtype) {
+    const float r = __fmul_rn((float)q, step);
+    if (dtype == DTYPE_FLOAT32) return r;
+    return dtype == DTYPE_FLOAT16 ? half_to_float(float_to_half(r)) : bf16_to_float(float_to_bf16(r));
+}
+
+// prequantize for one element: its code, and whether it escapes (stored raw)
+__device__ __forceinline__ int lorenzo_code(float x32, int dtype, float eb, float step, float inv, bool* escape) {
+    const float t = __fmul_rn(x32, inv);
+    const bool inside = fabsf(t) < LORENZO_TMAX;  // false for NaN and Inf
+    const int q0 = inside ? (int)rintf(t) : 0;    // ties to even, like torch.round
+    const float r0 = lorenzo_reconstruct(q0, step, dtype);
+    const bool ok0 = fabsf(__fsub_rn(x32, r0)) < eb;
+    const int q1 = q0 + (x32 > r0 ? 1 : -1);
+    const bool ok1 = fabsf(__fsub_rn(x32, lorenzo_reconstruct(q1, step, dtype))) < eb;
+    const bool zero = fabsf(x32) <= eb;
+    *escape = !zero && !(inside && (ok0 || ok1));
+    return (zero || *escape) ? 0 : (ok0 ? q0 : q1);
+}
+
+__device__ __forceinline__ int bit_length(unsigned int m) { return 32 - __clz((int)m); }
+
+__device__ __forceinline__ int warp_max(int v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(FULL_WARP, v, offset));
+    return v;
+}
+
+struct LorenzoBlock {
+    int code, value;         // this lane's code and the value its mode stores (code, or delta in Lorenzo mode)
+    int lead_code;           // lane 0's code: the lead value of Lorenzo mode
+    bool escape;
+    int mode, w, s, k, lead;  // lead: bytes of the lead value (Lorenzo mode), else 0
+    int size;                 // payload bytes
+    unsigned int nonzero;     // lanes with a nonzero code
+};
+
+// Everything the header pass decides for the block holding element `first + lane` (all lanes call it).
+__device__ __forceinline__ LorenzoBlock lorenzo_block(const void* x, int dtype, long long numel, long long first,
+                                                      int lane, float eb, float step, float inv) {
+    LorenzoBlock b;
+    const long long e = first + lane;
+    b.escape = false;
+    // lanes past the end hold the zero codes of the spec's padding
+    b.code = e < numel ? lorenzo_code(load_float(x, e, dtype), dtype, eb, step, inv, &b.escape) : 0;
+    const int previous = __shfl_up_sync(FULL_WARP, b.code, 1);
+    const int delta = lane == 0 ? 0 : b.code - previous;
+    b.nonzero = __ballot_sync(FULL_WARP, b.code != 0);
+    b.k = __popc(b.nonzero);
+    const int w_raw = bit_length((unsigned int)warp_max(abs(b.code)));
+    const int w_delta = bit_length((unsigned int)warp_max(abs(delta)));
+    const int s_raw = __ballot_sync(FULL_WARP, b.code < 0) != 0, s_delta = __ballot_sync(FULL_WARP, delta < 0) != 0;
+    b.lead_code = __shfl_sync(FULL_WARP, b.code, 0);
+    const int lead = bit_length((unsigned int)(b.lead_code < 0 ? -(b.lead_code + 1) : b.lead_code)) / 8 + 1;
+    const int cost_raw = 4 * (w_raw + s_raw), cost_delta = lead + 4 * (w_delta + s_delta);
+    const int cost_sparse = b.k > 0 ? 4 + (b.k * (w_raw + s_raw) + 7) / 8 : 1 << 30;
+    b.mode = MODE_RAW;  // the first minimum: ties go to the lower mode
+    b.size = cost_raw;
+    if (cost_delta < b.size) { b.mode = MODE_LORENZO; b.size = cost_delta; }
+    if (cost_sparse < b.size) { b.mode = MODE_SPARSE; b.size = cost_sparse; }
+    const bool use_delta = b.mode == MODE_LORENZO;
+    b.w = use_delta ? w_delta : w_raw;
+    b.s = use_delta ? s_delta : s_raw;
+    b.lead = use_delta ? lead : 0;
+    b.value = use_delta ? delta : b.code;
+    return b;
+}
+
+// Bit p of a stored value's planes: the sign first when the block is signed, then magnitude bits from the lowest.
+__device__ __forceinline__ unsigned int plane_bit(int value, int s, int p) {
+    if (s && p == 0) return value < 0 ? 1u : 0u;
+    return ((unsigned int)abs(value) >> (p - s)) & 1u;
+}
+
+extern "C" __global__ void lorenzo_header(const void* __restrict__ x, int dtype, long long numel, float eb,
+                                          float step, float inv, unsigned short* __restrict__ header,
+                                          int* __restrict__ sizes, int* __restrict__ escape_counts) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const long long blocks = (numel + 31) / 32;
+    for (long long block = (long long)blockIdx.x * warps + warp; block < blocks;
+         block += (long long)gridDim.x * warps) {
+        const LorenzoBlock b = lorenzo_block(x, dtype, numel, block * 32, lane, eb, step, inv);
+        const int escapes = __popc(__ballot_sync(FULL_WARP, b.escape));
+        if (lane == 0) {
+            header[block] = (unsigned short)(b.w | b.s << 5 | b.mode << 6 | (b.mode == MODE_SPARSE ? b.k : 0) << 8
+                                             | (b.mode == MODE_LORENZO ? b.lead - 1 : 0) << 14);
+            sizes[block] = b.size;
+            escape_counts[block] = escapes;
+        }
+    }
+}
+
+// Block: warps_per_block * 32 threads; static shared memory holds each warp's nonzero codes by rank.
+#define LORENZO_MAX_WARPS 8
+extern "C" __global__ void lorenzo_payload(const void* __restrict__ x, int dtype, long long numel, float eb,
+                                           float step, float inv, const long long* __restrict__ offsets,
+                                           const long long* __restrict__ escape_offsets,
+                                           unsigned char* __restrict__ payload, void* __restrict__ escape_index,
+                                           int index_is_64bit, void* __restrict__ escape_value) {
+    __shared__ int compact[LORENZO_MAX_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const long long blocks = (numel + 31) / 32;
+    const unsigned int lower_lanes = (1u << lane) - 1u;
+    for (long long block = (long long)blockIdx.x * warps + warp; block < blocks;
+         block += (long long)gridDim.x * warps) {
+        const long long first = block * 32;
+        const LorenzoBlock b = lorenzo_block(x, dtype, numel, first, lane, eb, step, inv);
+        unsigned char* const out = payload + offsets[block];
+        const int rows = b.w + b.s;
+        if (b.mode == MODE_SPARSE) {
+            if (lane < 4) out[lane] = (unsigned char)(b.nonzero >> (8 * lane));
+            if (b.code != 0) compact[warp][__popc(b.nonzero & lower_lanes)] = b.code;
+            __syncwarp();
+            // stream bit p * k + j is bit p of the j-th nonzero code
+            const int stream_bits = b.k * rows, stream_bytes = (stream_bits + 7) / 8;
+            for (int byte = lane; byte < stream_bytes; byte += 32) {
+                unsigned int bits = 0;
+                for (int t = 0; t < 8; ++t) {
+                    const int bit = 8 * byte + t;
+                    if (bit < stream_bits) bits |= plane_bit(compact[warp][bit % b.k], b.s, bit / b.k) << t;
+                }
+                out[4 + byte] = (unsigned char)bits;
+            }
+            __syncwarp();  // compact is reused by the next block
+        } else {
+            if (lane < b.lead) out[lane] = (unsigned char)((unsigned int)b.lead_code >> (8 * lane));
+            for (int p = 0; p < rows; ++p) {  // rows is the same in every lane
+                const unsigned int word = __ballot_sync(FULL_WARP, plane_bit(b.value, b.s, p));
+                if (lane < 4) out[b.lead + 4 * p + lane] = (unsigned char)(word >> (8 * lane));
+            }
+        }
+        const unsigned int escapes = __ballot_sync(FULL_WARP, b.escape);
+        if (b.escape) {
+            const long long slot = escape_offsets[block] + __popc(escapes & lower_lanes), e = first + lane;
+            if (index_is_64bit) ((long long*)escape_index)[slot] = e;
+            else ((int*)escape_index)[slot] = (int)e;
+            if (dtype == DTYPE_FLOAT32) ((unsigned int*)escape_value)[slot] = ((const unsigned int*)x)[e];
+            else ((unsigned short*)escape_value)[slot] = ((const unsigned short*)x)[e];
+        }
+    }
+}
+
+extern "C" __global__ void lorenzo_decode(const unsigned short* __restrict__ header,
+                                          const long long* __restrict__ offsets,
+                                          const unsigned char* __restrict__ payload, long long numel, float step,
+                                          void* __restrict__ out, int dtype) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const long long blocks = (numel + 31) / 32;
+    for (long long block = (long long)blockIdx.x * warps + warp; block < blocks;
+         block += (long long)gridDim.x * warps) {
+        const unsigned int h = header[block];
+        const int w = h & 31, s = (h >> 5) & 1, mode = (h >> 6) & 3, k = (h >> 8) & 63;
+        const int lead = mode == MODE_LORENZO ? (int)(h >> 14) + 1 : 0, rows = w + s;
+        const unsigned char* const in = payload + offsets[block];
+        int value = 0;
+        if (mode == MODE_SPARSE) {
+            const unsigned int nonzero = in[0] | in[1] << 8 | in[2] << 16 | (unsigned int)in[3] << 24;
+            if ((nonzero >> lane) & 1u) {
+                const int rank = __popc(nonzero & ((1u << lane) - 1u));
+                unsigned int magnitude = 0;
+                bool negative = false;
+                for (int p = 0; p < rows; ++p) {
+                    const int bit = p * k + rank;
+                    const unsigned int b = (in[4 + bit / 8] >> (bit % 8)) & 1u;
+                    if (s && p == 0) negative = b != 0;
+                    else magnitude |= b << (p - s);
+                }
+                value = negative ? -(int)magnitude : (int)magnitude;
+            }
+        } else {
+            unsigned int magnitude = 0;
+            bool negative = false;
+            for (int p = 0; p < rows; ++p) {
+                const unsigned int b = (in[lead + 4 * p + lane / 8] >> (lane % 8)) & 1u;
+                if (s && p == 0) negative = b != 0;
+                else magnitude |= b << (p - s);
+            }
+            value = negative ? -(int)magnitude : (int)magnitude;
+        }
+        if (mode == MODE_LORENZO) {  // the lead value plus the inclusive prefix sum of the deltas
+            unsigned int lead_bits = 0;
+            for (int j = 0; j < lead; ++j) lead_bits |= (unsigned int)in[j] << (8 * j);
+            const int shift = 32 - 8 * lead;  // sign-extend from 8 * lead bits
+            const int lead_value = (int)(lead_bits << shift) >> shift;
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int other = __shfl_up_sync(FULL_WARP, value, offset);
+                if (lane >= offset) value += other;
+            }
+            value += lead_value;
+        }
+        const long long e = block * 32 + lane;
+        if (e < numel) store_float(out, e, dtype, __fmul_rn((float)value, step));
+    }
+}
+
+extern "C" __global__ void lorenzo_scatter(const void* __restrict__ escape_index, int index_is_64bit,
+                                           const void* __restrict__ escape_value, long long escapes, int dtype,
+                                           void* __restrict__ out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < escapes;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long e = index_is_64bit ? ((const long long*)escape_index)[i] : ((const int*)escape_index)[i];
+        if (dtype == DTYPE_FLOAT32) ((unsigned int*)out)[e] = ((const unsigned int*)escape_value)[i];
+        else ((unsigned short*)out)[e] = ((const unsigned short*)escape_value)[i];
+    }
+}

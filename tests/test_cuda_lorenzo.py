@@ -1,0 +1,222 @@
+"""The CUDA lorenzo kernels, run on CPU threads by the emulation harness, against the torch specification.
+
+Bit for bit: headers, payload bytes, escape indices and values, decoded tensors (NaN positions must match,
+NaN bits need not, as in test_cuda_quantize). Every block mode (raw, Lorenzo, sparse, all-zero), every dtype,
+escapes of every kind."""
+import pytest
+import torch
+
+import lightning_act.cuda.lorenzo as cuda_lorenzo
+from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, LorenzoCodec, block_sizes,
+                                          lorenzo_decode_reference, lorenzo_encode_reference, working_bound)
+from lightning_act.cuda.lorenzo import lorenzo_decode_cuda, lorenzo_encode_cuda
+from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
+from tests.test_cuda_quantize import DTYPES, _tensor_on, assert_same_bits
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return EmulatorRunner()
+
+
+def check_encode_and_decode(runner, flat, error_bound):
+    """Emulated kernels == torch reference: encode buffers, and decode of the reference's encoding."""
+    expected = lorenzo_encode_reference(flat, error_bound)
+    encoded = lorenzo_encode_cuda(flat.contiguous(), error_bound, runner=runner)
+    assert encoded.keys() == expected.keys()
+    for name in expected:
+        assert_same_bits(encoded[name], expected[name])
+    decode_args = (expected, flat.numel(), error_bound, flat.dtype)
+    assert_same_bits(lorenzo_decode_cuda(*decode_args, runner=runner), lorenzo_decode_reference(*decode_args))
+    return expected
+
+
+def _data(kind: str, n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n)
+    if kind == "noise":  # raw codes
+        return torch.randn(n, generator=gen) * 3
+    if kind == "smooth":  # Lorenzo deltas
+        return torch.linspace(-3, 5, n) + 0.01 * torch.randn(n, generator=gen)
+    if kind == "relu":  # sparse blocks
+        return torch.relu(torch.randn(n, generator=gen)) * (torch.rand(n, generator=gen) < 0.15)
+    if kind == "zeros":  # header-only blocks
+        return torch.zeros(n)
+    if kind == "mixed":  # every mode in one tensor
+        x = torch.randn(n, generator=gen)
+        x[: n // 3] = torch.linspace(0, 1, n // 3)
+        x[n // 3: 2 * n // 3] *= torch.rand(2 * n // 3 - n // 3, generator=gen) < 0.1
+        return x
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("n", [1, 31, 33, 1000])
+@pytest.mark.parametrize("kind", ["noise", "smooth", "relu", "zeros", "mixed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("error_bound", [1e-1, 1e-3, 1e-5])
+@pytest.mark.toolchain
+@requires_gxx
+def test_random_tensors_bit_identical(runner, error_bound, dtype, kind, n):
+    check_encode_and_decode(runner, _data(kind, n).to(dtype), error_bound)
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_every_mode_appears_and_matches(runner):
+    modes = block_sizes(check_encode_and_decode(runner, _data("mixed", 3000), 1e-3)["header"])[3]
+    assert {MODE_RAW, MODE_LORENZO, MODE_SPARSE} <= set(modes.tolist())
+
+
+def _special(case: str, dtype: torch.dtype, error_bound: float) -> torch.Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(700)
+    if case == "non_finite":
+        x[::7], x[3::11], x[5::13] = float("nan"), float("inf"), float("-inf")
+    elif case == "huge":  # beyond the 2**29 code range: escapes
+        x = x * 1e30
+    elif case == "signed_zeros":
+        x[::2] = -0.0
+        x[1::4] = 0.0
+    elif case == "at_the_bound":  # |x| == eb, one ulp either side, and the grid's half points
+        eb = torch.tensor(error_bound, dtype=torch.float32)
+        ladder = torch.stack([eb, torch.nextafter(eb, torch.tensor(0.0)), torch.nextafter(eb, torch.tensor(1.0)),
+                              3 * eb, 5 * eb]).repeat(140)
+        x = ladder * torch.where(torch.rand(700) < 0.5, -1.0, 1.0)
+    elif case == "denormal":
+        x = x * 1e-39
+    elif case == "lead_bytes":  # Lorenzo blocks of codes q, q + 1, ... whose lead q needs 1, 2, 3 and 4 bytes
+        step = working_bound(error_bound)[1]
+        leads = torch.tensor([-3, -1000, 40000, 9_000_000]).repeat_interleave(32) + torch.arange(32).repeat(4)
+        x = (leads.float() * step).repeat(6)[:700]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("case", ["non_finite", "huge", "signed_zeros", "at_the_bound", "denormal", "lead_bytes"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_special_values_bit_identical(runner, dtype, case):
+    check_encode_and_decode(runner, _special(case, dtype, 1e-2), 1e-2)
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_lorenzo_blocks_with_lead_values_of_1_to_4_bytes(runner):
+    header = check_encode_and_decode(runner, _special("lead_bytes", torch.float32, 1e-2), 1e-2)["header"]
+    _, _, _, mode, _, lead = block_sizes(header)
+    assert set(lead[mode == MODE_LORENZO].tolist()) == {1, 2, 3, 4}
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_grid_stride_loops_cover_blocks_beyond_the_grid(runner, monkeypatch):
+    monkeypatch.setattr(cuda_lorenzo, "MAX_BLOCKS", 2)
+    runner.launches.clear()
+    check_encode_and_decode(runner, _special("non_finite", torch.float32, 1e-2).repeat(3), 1e-2)  # 66 blocks
+    assert {launch[2] for launch in runner.launches} == {(2, 1, 1)}
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_escape_indices_are_64_bit_past_2_31_elements(runner, monkeypatch):
+    """The index dtype switches at 2**31 elements; the kernels write and read whichever the launcher picks."""
+    monkeypatch.setattr(cuda_lorenzo, "index_dtype", lambda numel: torch.int64)
+    x = _special("non_finite", torch.float32, 1e-2)
+    encoded = lorenzo_encode_cuda(x, 1e-2, runner=runner)
+    expected = lorenzo_encode_reference(x, 1e-2)
+    assert encoded["escape_index"].dtype == torch.int64
+    assert torch.equal(encoded["escape_index"], expected["escape_index"].to(torch.int64))
+    encoded["escape_index"] = expected["escape_index"].to(torch.int64)
+    assert_same_bits(lorenzo_decode_cuda(encoded, x.numel(), 1e-2, x.dtype, runner=runner),
+                     lorenzo_decode_reference(expected, x.numel(), 1e-2, x.dtype))
+
+
+@pytest.mark.parametrize("kind", ["smooth", "noise"])
+@pytest.mark.toolchain
+@requires_gxx
+def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, monkeypatch, kind):
+    """LorenzoCodec through the kernels == through torch, for a strided input and for the raw fallback (noise
+    at a tiny bound does not compress)."""
+    monkeypatch.setattr(cuda_lorenzo, "default_runner", lambda: runner)
+    monkeypatch.setattr(LorenzoCodec, "_use_cupy", lambda self, t: True)
+    x = _data(kind, 2 * 600).view(20, 60)[:, ::2]
+    bound = 1e-3 if kind == "smooth" else 1e-7
+    kernel_packed = LorenzoCodec(error_bound=bound).encode(x)
+    monkeypatch.undo()
+    torch_codec = LorenzoCodec(error_bound=bound, backend="torch")
+    torch_packed = torch_codec.encode(x)
+    assert kernel_packed.buffers.keys() == torch_packed.buffers.keys()
+    assert ("raw" in torch_packed.buffers) == (kind == "noise")
+    for name, buffer in torch_packed.buffers.items():
+        assert_same_bits(kernel_packed.buffers[name], buffer)
+    assert_same_bits(torch_codec.decode(kernel_packed), torch_codec.decode(torch_packed))
+
+
+def test_empty_tensor_launches_nothing():
+    runner = EmulatorRunner()
+    encoded = lorenzo_encode_cuda(torch.empty(0, dtype=torch.float16), 1e-2, runner=runner)
+    expected = lorenzo_encode_reference(torch.empty(0, dtype=torch.float16), 1e-2)
+    assert {k: (v.dtype, v.numel()) for k, v in encoded.items()} == {k: (v.dtype, v.numel())
+                                                                     for k, v in expected.items()}
+    assert lorenzo_decode_cuda(encoded, 0, 1e-2, torch.float16, runner=runner).numel() == 0
+    assert runner.launches == []
+
+
+def _buffers(**changes):
+    buffers = lorenzo_encode_reference(torch.linspace(0, 1, 64), 1e-2)
+    return {**buffers, **changes}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda r: lorenzo_encode_cuda(torch.randn(8, 4).t().reshape(-1)[::2], 1e-2, runner=r),
+     r"flat must be contiguous; got strides \(2,\)"),
+    (lambda r: lorenzo_encode_cuda(torch.randn(8, dtype=torch.float64), 1e-2, runner=r),
+     r"flat must have dtype in \(torch.float32, torch.float16, torch.bfloat16\); got torch.float64"),
+    (lambda r: lorenzo_encode_cuda(torch.randn(2, 8), 1e-2, runner=r), r"flat must be 1-dimensional; got shape \(2, 8\)"),
+    (lambda r: lorenzo_encode_cuda(torch.randn(8, device="meta"), 1e-2, runner=r),
+     r"tensors must be on a cpu device for EmulatorRunner; got meta"),
+    (lambda r: lorenzo_decode_cuda(_buffers(), 65, 1e-2, torch.float32, runner=r), r"header must have 3 elements; got 2"),
+    (lambda r: lorenzo_decode_cuda(_buffers(payload=torch.zeros(1, dtype=torch.uint8)), 64, 1e-2, torch.float32,
+                                   runner=r), r"payload must have \d+ elements; got 1"),
+    (lambda r: lorenzo_decode_cuda(_buffers(), 64, 1e-2, torch.float16, runner=r),
+     r"escape_value must have dtype in \(torch.float16\); got torch.float32"),
+    (lambda r: lorenzo_decode_cuda(_buffers(), 64, 1e-2, torch.int32, runner=r),
+     r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16"),
+])
+def test_bad_arguments_are_refused_before_launch(call, match):
+    runner = EmulatorRunner()
+    with pytest.raises(ValueError, match=match):
+        call(runner)
+    assert runner.launches == []
+
+
+@pytest.mark.parametrize("backend, device, cupy_importable, expected", [
+    ("torch", "cuda:0", True, False),
+    ("auto", "cpu", True, False),
+    ("auto", "cuda:0", False, False),
+    ("auto", "cuda:0", True, True),
+    ("cupy", "cuda:0", True, True),
+])
+def test_backend_choice(monkeypatch, backend, device, cupy_importable, expected):
+    import lightning_act.cuda as cuda_pkg
+
+    monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
+    assert LorenzoCodec(error_bound=1e-2, backend=backend)._use_cupy(_tensor_on(device)) is expected
+
+
+def test_config_passes_the_backend_and_bad_backends_are_named():
+    import lightning_act as act
+
+    codec = act.codecs.get("lorenzo", **act.ACTConfig(codec="lorenzo", error_bound=1e-3, backend="torch").codec_options())
+    assert (codec.backend, codec.error_bound) == ("torch", 1e-3)
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        LorenzoCodec(error_bound=1e-3, backend="gpu")
+
+
+def test_without_cupy_the_cupy_backend_says_how_to_install_it():
+    import lightning_act.cuda as cuda_pkg
+
+    if cuda_pkg.cupy_available():
+        pytest.skip("CuPy is installed here")
+    with pytest.raises(ImportError, match=r"pip install 'lightning-act\[cuda\]'"):
+        LorenzoCodec(error_bound=1e-3, backend="cupy")
