@@ -13,15 +13,13 @@ what would leave the device.
 from __future__ import annotations
 
 import argparse
-import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import lightning_act as act
 from lightning_act.nn.attention import chunked_attention
+from models import bert, machine, median_step_times, publish, train_step
 from peak_memory import ensure_fixed_mmap_threshold, peak_step_bytes
 
 CONFIGS = {
@@ -36,26 +34,6 @@ CONFIGS = {
 PEAK_NOTE = ("Peak step MiB is the resident-set growth above the level before the step. L2 and swap only copy "
              "into pinned host buffers kept from earlier steps (reused, not reallocated), so the host copies are "
              "not in their peak: on a GPU this is the device memory the step needs.")
-
-
-def bert(batch: int, seq: int):
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=2000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                     intermediate_size=1024, max_position_embeddings=seq, attn_implementation="eager")
-    model = BertForSequenceClassification(cfg).train()
-    ids, labels = torch.randint(0, 2000, (batch, seq)), torch.randint(0, 2, (batch,))
-    return model, lambda: model(input_ids=ids, labels=labels).loss
-
-
-def timed_step(model, loss_fn, compressor) -> float:
-    model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    with compressor.compress():
-        loss = loss_fn()
-    loss.backward()
-    return time.perf_counter() - t0
 
 
 def attention_peaks(seqs, heads=4, dim=64):
@@ -82,33 +60,23 @@ def main(argv=None):
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     ensure_fixed_mmap_threshold()
-    model, loss_fn = bert(args.batch, args.seq)
+    model, loss_fn = bert(args.batch, args.seq, attn_implementation="eager")
     compressors = {name: act.ActivationCompressor(model, cfg) for name, cfg in CONFIGS.items()}
-    for c in compressors.values():  # warm-up
-        timed_step(model, loss_fn, c)
-    times = {name: [] for name in compressors}
-    for _ in range(args.repeats):
-        for name, c in compressors.items():
-            times[name].append(timed_step(model, loss_fn, c))
+    times = median_step_times(model, loss_fn, compressors, args.repeats, warmup=1)
     lines = [f"BERT 4x256, batch {args.batch}, sequence {args.seq}\n",
              "| level | stored MiB (device) | stored MiB (host) | peak step MiB | time ratio vs L0 |",
              "|---|---|---|---|---|"]
-    base = statistics.median(times["L0"])
+    base = times["L0"]
     for name, c in compressors.items():
-        peak = peak_step_bytes(lambda: timed_step(model, loss_fn, c)) / 2**20
+        peak = peak_step_bytes(lambda: train_step(model, loss_fn, c)) / 2**20
         s = c.stats()
         lines.append(f"| {name} | {s.device_bytes / 2**20:.1f} | {s.offloaded_bytes / 2**20:.1f} | {peak:.0f} | "
-                     f"{statistics.median(times[name]) / base:.2f} |")
+                     f"{times[name] / base:.2f} |")
     lines += ["", PEAK_NOTE, "", "Attention alone (1 x 4 heads x 64 dims, forward + backward): peak MiB",
               "| sequence | standard | chunked (CB2) |", "|---|---|---|"]
     lines += [f"| {s} | {a:.1f} | {b:.1f} |" for s, a, b in attention_peaks([512, 1024, 2048, 4096])]
-    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    text = "\n".join(lines) + f"\n\n{machine}; command: `python benchmarks/bench_levels.py`\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-
+    text = "\n".join(lines) + f"\n\n{machine()}; command: `python benchmarks/bench_levels.py`\n"
+    publish(text, args.out)
 
 if __name__ == "__main__":
     main()
