@@ -9,7 +9,7 @@ import lightning_act.cuda.division as cuda_division
 from lightning_act.codecs.division import DivisionCodec, division_decode_reference, division_encode_reference
 from lightning_act.cuda.division import division_decode_cuda, division_encode_cuda
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
-from tests.test_cuda_quantize import DTYPES, _tensor_on, assert_same_bits
+from tests.test_cuda_quantize import DTYPES, assert_refused_before_launch, assert_same_bits
 
 BITS = [1, 2, 4, 8]
 
@@ -144,31 +144,4 @@ def test_empty_tensor_launches_nothing():
      r"payload must have 2 elements; got 3"),
 ])
 def test_bad_arguments_are_refused_before_launch(call, match):
-    runner = EmulatorRunner()
-    with pytest.raises(ValueError, match=match):
-        call(runner)
-    assert runner.launches == []
-
-
-@pytest.mark.parametrize("backend, device, cupy_importable, expected", [
-    ("torch", "cuda:0", True, False),
-    ("auto", "cpu", True, False),
-    ("auto", "cuda:0", False, False),
-    ("auto", "cuda:0", True, True),
-    ("cupy", "cuda:0", True, True),
-])
-def test_backend_choice(monkeypatch, backend, device, cupy_importable, expected):
-    import lightning_act.cuda as cuda_pkg
-
-    monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
-    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
-    assert DivisionCodec(backend=backend)._use_cupy(_tensor_on(device)) is expected
-
-
-def test_without_cupy_the_cupy_backend_says_how_to_install_it():
-    import lightning_act.cuda as cuda_pkg
-
-    if cuda_pkg.cupy_available():
-        pytest.skip("CuPy is installed here")
-    with pytest.raises(ImportError, match=r"pip install 'lightning-act\[cuda\]'"):
-        DivisionCodec(backend="cupy")
+    assert_refused_before_launch(call, match)

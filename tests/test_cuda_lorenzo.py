@@ -11,7 +11,7 @@ from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, L
                                           lorenzo_decode_reference, lorenzo_encode_reference, working_bound)
 from lightning_act.cuda.lorenzo import lorenzo_decode_cuda, lorenzo_encode_cuda
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
-from tests.test_cuda_quantize import DTYPES, _tensor_on, assert_same_bits
+from tests.test_cuda_quantize import DTYPES, assert_refused_before_launch, assert_same_bits
 
 
 @pytest.fixture(scope="module")
@@ -183,25 +183,7 @@ def _buffers(**changes):
      r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16"),
 ])
 def test_bad_arguments_are_refused_before_launch(call, match):
-    runner = EmulatorRunner()
-    with pytest.raises(ValueError, match=match):
-        call(runner)
-    assert runner.launches == []
-
-
-@pytest.mark.parametrize("backend, device, cupy_importable, expected", [
-    ("torch", "cuda:0", True, False),
-    ("auto", "cpu", True, False),
-    ("auto", "cuda:0", False, False),
-    ("auto", "cuda:0", True, True),
-    ("cupy", "cuda:0", True, True),
-])
-def test_backend_choice(monkeypatch, backend, device, cupy_importable, expected):
-    import lightning_act.cuda as cuda_pkg
-
-    monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
-    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
-    assert LorenzoCodec(error_bound=1e-2, backend=backend)._use_cupy(_tensor_on(device)) is expected
+    assert_refused_before_launch(call, match)
 
 
 def test_config_passes_the_backend_and_bad_backends_are_named():
@@ -211,12 +193,3 @@ def test_config_passes_the_backend_and_bad_backends_are_named():
     assert (codec.backend, codec.error_bound) == ("torch", 1e-3)
     with pytest.raises(ValueError, match="backend='gpu'"):
         LorenzoCodec(error_bound=1e-3, backend="gpu")
-
-
-def test_without_cupy_the_cupy_backend_says_how_to_install_it():
-    import lightning_act.cuda as cuda_pkg
-
-    if cuda_pkg.cupy_available():
-        pytest.skip("CuPy is installed here")
-    with pytest.raises(ImportError, match=r"pip install 'lightning-act\[cuda\]'"):
-        LorenzoCodec(error_bound=1e-3, backend="cupy")

@@ -15,6 +15,8 @@ import torch
 
 import lightning_act.cuda as cuda_pkg
 import lightning_act.cuda.quantize as cuda_quantize
+from lightning_act.codecs.division import DivisionCodec
+from lightning_act.codecs.lorenzo import LorenzoCodec
 from lightning_act.codecs.quantize import QuantizeCodec, dequantize_reference, quantize_reference
 from lightning_act.cuda.launcher import CupyRunner, NVRTC_OPTIONS, kernel_source
 from lightning_act.cuda.quantize import dequantize_cuda, quantize_cuda
@@ -50,6 +52,14 @@ def assert_same_encoding(actual, expected):
     assert_same_bits(actual[0], expected[0])
     for a, e in zip(actual[1:], expected[1:]):
         assert_same_bits(a, e, zero_sign_free=True)
+
+
+def assert_refused_before_launch(call, match):
+    """``call(runner)`` raises ValueError matching ``match`` before launching anything."""
+    runner = EmulatorRunner()
+    with pytest.raises(ValueError, match=match):
+        call(runner)
+    assert runner.launches == []
 
 
 def check_encode_and_decode(runner, x, bits, group_size, stats_dtype, seed=3, key=11):
@@ -320,10 +330,7 @@ def test_shim_primitives_match_numpy():
      r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16"),
 ])
 def test_bad_arguments_are_refused_before_launch(call, match):
-    runner = EmulatorRunner()
-    with pytest.raises(ValueError, match=match):
-        call(runner)
-    assert runner.launches == []
+    assert_refused_before_launch(call, match)
 
 
 # ---- backend choice in the codec ----
@@ -333,19 +340,28 @@ def _tensor_on(device: str):
     return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"))
 
 
-@pytest.mark.parametrize("backend, device, cupy_importable, group_size, expected", [
-    ("torch", "cuda:0", True, 256, False),
-    ("auto", "cpu", True, 256, False),
-    ("auto", "cuda:0", False, 256, False),
-    ("auto", "cuda:0", True, 256, True),
-    ("auto", "cuda:0", True, 16384, False),  # beyond the kernels' stage: the torch path (also on CUDA)
-    ("cupy", "cuda:0", True, 256, True),
+CODECS = {
+    "quantize": lambda backend: QuantizeCodec(bits=4, backend=backend),
+    "quantize group 16384": lambda backend: QuantizeCodec(bits=4, group_size=16384, backend=backend),
+    "division": lambda backend: DivisionCodec(backend=backend),
+    "lorenzo": lambda backend: LorenzoCodec(error_bound=1e-3, backend=backend),
+}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("backend, device, cupy_importable, expected", [
+    ("torch", "cuda:0", True, False),
+    ("auto", "cpu", True, False),
+    ("auto", "cuda:0", False, False),
+    ("auto", "cuda:0", True, True),
+    ("cupy", "cuda:0", True, True),
 ])
-def test_backend_choice(monkeypatch, backend, device, cupy_importable, group_size, expected):
+def test_backend_choice(monkeypatch, codec, backend, device, cupy_importable, expected):
     monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
     monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
-    codec = QuantizeCodec(bits=4, group_size=group_size, backend=backend)
-    assert codec._use_cupy(_tensor_on(device)) is expected
+    if codec == "quantize group 16384" and backend == "auto":
+        expected = False  # beyond the kernels' stage: the torch path (also on CUDA)
+    assert CODECS[codec](backend)._use_cupy(_tensor_on(device)) is expected
 
 
 def test_backend_cupy_refuses_cpu_tensors(monkeypatch):
@@ -355,8 +371,9 @@ def test_backend_cupy_refuses_cpu_tensors(monkeypatch):
 
 
 @pytest.mark.skipif(cuda_pkg.cupy_available(), reason="CuPy is installed here")
-def test_without_cupy_the_cupy_backend_says_how_to_install_it():
+@pytest.mark.parametrize("codec", CODECS)
+def test_without_cupy_the_cupy_backend_says_how_to_install_it(codec):
     with pytest.raises(ImportError, match=r"pip install 'lightning-act\[cuda\]'"):
-        QuantizeCodec(backend="cupy")
+        CODECS[codec]("cupy")
     with pytest.raises(ImportError, match=r"pip install"):
         quantize_cuda(torch.randn(64), 4, 256, torch.float32, 0, 0)
