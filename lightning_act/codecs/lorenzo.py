@@ -40,6 +40,9 @@ Payload, 32-bit little-endian words where lane i is bit i:
     sparse (mode 2):  nonzero-lane mask word + a bit stream where plane p (sign first if s, then magnitude
                       bits) of the j-th nonzero code is bit p * k + j  -> 4 + ceil(k * (w + s) / 8) bytes
 
+2D prediction (independent 4 x 8 tiles, ``q - left - up + upleft``) was measured on conv activations and stores
+3-4% more than these 1D blocks (``benchmarks/results/lorenzo_2d.md``), so it is not a mode.
+
 Block payload sizes follow from the headers alone; byte offsets are their exclusive prefix sum (int64).
 Escape indices are int32, or int64 when the tensor has 2**31 elements or more. When the total would exceed
 the raw tensor, the raw tensor (with |x| <= eb set to 0) is stored instead: never more bytes than the input.
