@@ -151,11 +151,6 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
     cuda_emu::check_full_mask(mask);
     return cuda_emu::warp_exchange(v, [=](unsigned lane) { return lane ^ unsigned(lane_mask); });
 }
-template <class T>
-T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
-    cuda_emu::check_full_mask(mask);
-    return cuda_emu::warp_exchange(v, [=](unsigned lane) { return lane >= delta ? lane - delta : lane; });
-}
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
     cuda_emu::check_full_mask(mask);
     const unsigned t = cuda_emu::linear_tid();
@@ -179,8 +174,6 @@ T atomicMax(T* address, T v) {
     return old;
 }
 
-inline int __popc(unsigned x) { return __builtin_popcount(x); }
-inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
 // CUDA's integer min/max overloads
 using std::max;
 using std::min;
@@ -200,3 +193,12 @@ inline float __uint_as_float(unsigned u) {
     std::memcpy(&f, &u, sizeof f);
     return f;
 }
+
+// lorenzo kernels need:
+template <class T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
+    cuda_emu::check_full_mask(mask);
+    return cuda_emu::warp_exchange(v, [=](unsigned lane) { return lane >= delta ? lane - delta : lane; });
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
