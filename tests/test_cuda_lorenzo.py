@@ -6,6 +6,7 @@ escapes of every kind."""
 import pytest
 import torch
 
+import lightning_act.codecs.lorenzo as spec
 import lightning_act.cuda.lorenzo as cuda_lorenzo
 from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, LorenzoCodec, block_sizes,
                                           lorenzo_decode_reference, lorenzo_encode_reference, working_bound)
@@ -27,7 +28,10 @@ def check_encode_and_decode(runner, flat, error_bound):
     for name in expected:
         assert_same_bits(encoded[name], expected[name])
     decode_args = (expected, flat.numel(), error_bound, flat.dtype)
-    assert_same_bits(lorenzo_decode_cuda(*decode_args, runner=runner), lorenzo_decode_reference(*decode_args))
+    decoded = lorenzo_decode_cuda(*decode_args, runner=runner)
+    assert_same_bits(decoded, lorenzo_decode_reference(*decode_args))
+    # and the other way round: the torch decode of the kernels' encoding
+    assert_same_bits(lorenzo_decode_reference(encoded, flat.numel(), error_bound, flat.dtype), decoded)
     return expected
 
 
@@ -149,6 +153,46 @@ def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, monkeypatch, ki
     for name, buffer in torch_packed.buffers.items():
         assert_same_bits(kernel_packed.buffers[name], buffer)
     assert_same_bits(torch_codec.decode(kernel_packed), torch_codec.decode(torch_packed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_header_pass_matches_the_specification_block_by_block(runner, dtype):
+    """The first encode kernel alone: headers, payload sizes and escape counts per block, against the spec's
+    prequantize / encode_blocks / block_sizes (a failure here names the block before the payload is involved)."""
+    x = torch.cat([_data("mixed", 900), _special("non_finite", torch.float32, 1e-2)]).to(dtype)[:1599]
+    header, sizes, escape_counts = cuda_lorenzo.lorenzo_header_pass(x, 1e-2, runner=runner)
+    q, escape = spec.prequantize(x, *working_bound(1e-2))
+    expected_header, _ = spec.encode_blocks(q)
+    assert_same_bits(header, expected_header)
+    assert torch.equal(sizes.long(), block_sizes(expected_header)[0])
+    padded = torch.cat([escape, escape.new_zeros(-x.numel() % spec.BLOCK)])
+    assert torch.equal(escape_counts.long(), padded.view(-1, spec.BLOCK).sum(dim=1))
+    assert int(escape_counts.sum()) > 0 and set(block_sizes(header)[3].tolist()) >= {MODE_RAW, MODE_SPARSE}
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_chunked_reference_equals_the_unchunked_kernels(runner, monkeypatch):
+    """The reference encodes and decodes chunk by chunk (CHUNK_ELEMENTS, a multiple of the block); the kernels
+    run over the whole tensor: escape indices, block offsets and payloads must agree across chunk borders."""
+    monkeypatch.setattr(spec, "CHUNK_ELEMENTS", 2 * spec.BLOCK)
+    assert len(spec._split_chunks(700)) == 11
+    for x in (_special("non_finite", torch.float16, 1e-2), _data("mixed", 700)):
+        check_encode_and_decode(runner, x, 1e-2)
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_header_only_tensors_skip_the_payload_pass(runner):
+    """All codes zero and nothing escaping (zeros and |x| <= eb): no payload, no escapes, one encode kernel."""
+    eb = working_bound(1e-2)[0]
+    x = torch.tensor([0.0, -0.0, eb, -eb, eb / 2] * 20, dtype=torch.float32)
+    runner.launches.clear()
+    encoded = check_encode_and_decode(runner, x, 1e-2)
+    assert encoded["payload"].numel() == encoded["escape_index"].numel() == 0
+    assert [launch[1] for launch in runner.launches] == ["lorenzo_header", "lorenzo_decode"]
 
 
 def test_empty_tensor_launches_nothing():

@@ -3,8 +3,13 @@
 
 Encode: the header pass, exclusive prefix sums of the block sizes and escape counts (torch, on the same
 stream), one host read of the two totals (the payload and escape buffers are allocated at their exact sizes:
-never assumed smaller than the input), then the payload pass. Decode: offsets from the headers alone, the
-decode kernel, then the escapes scattered back. One warp per block of 32 elements.
+never assumed smaller than the input), then the payload pass (skipped when the blocks are header-only and
+nothing escapes). Decode: offsets from the headers alone (exclusive prefix sum on the stream; one host read of
+their total, to check the payload's length before any launch), the decode kernel, then the escapes scattered
+back. One warp per block of 32 elements.
+
+The reference chunks its torch temporaries (``CHUNK_ELEMENTS``, a multiple of the block): headers, payload and
+escapes do not depend on the chunking, so the kernels run over the whole tensor at once.
 """
 from __future__ import annotations
 
@@ -36,40 +41,57 @@ def _bound(error_bound: float) -> tuple[np.float32, np.float32, np.float32]:
     return tuple(np.float32(v) for v in working_bound(error_bound))
 
 
+def _check_flat(flat: torch.Tensor, runner: KernelRunner) -> None:
+    check_runner_device(runner, flat.device)
+    check_tensor("flat", flat, device=flat.device, dtypes=tuple(DTYPE_CODES))
+    if flat.dim() != 1:
+        raise ValueError(f"flat must be 1-dimensional; got shape {tuple(flat.shape)}")
+
+
+def lorenzo_header_pass(flat: torch.Tensor, error_bound: float, *,
+                        runner: KernelRunner | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The encode's first kernel (tests compare it piecewise with the specification): per block of 32
+    elements its header (int16 storage of the uint16), payload bytes and escape count (int32 each)."""
+    runner = runner or default_runner()
+    _check_flat(flat, runner)
+    blocks, device = -(-flat.numel() // BLOCK), flat.device
+    header = torch.empty(blocks, dtype=torch.int16, device=device)
+    sizes = torch.empty(blocks, dtype=torch.int32, device=device)
+    escape_counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    if blocks:
+        grid, block = _grid(blocks)
+        runner.launch(SOURCE, "lorenzo_header", grid, block,
+                      (pointer(flat), np.int32(DTYPE_CODES[flat.dtype]), np.int64(flat.numel()),
+                       *_bound(error_bound), pointer(header), pointer(sizes), pointer(escape_counts)), 0, device)
+    return header, sizes, escape_counts
+
+
 def lorenzo_encode_cuda(flat: torch.Tensor, error_bound: float, *,
                         runner: KernelRunner | None = None) -> dict[str, torch.Tensor]:
     """Encode kernels: ``header``, ``payload``, ``escape_index``, ``escape_value`` bit-identical to
     ``lorenzo_encode_reference`` for the flat contiguous ``flat``."""
     runner = runner or default_runner()
-    check_runner_device(runner, flat.device)
-    check_tensor("flat", flat, device=flat.device, dtypes=tuple(DTYPE_CODES))
-    if flat.dim() != 1:
-        raise ValueError(f"flat must be 1-dimensional; got shape {tuple(flat.shape)}")
+    _check_flat(flat, runner)
     numel, device = flat.numel(), flat.device
-    blocks = -(-numel // BLOCK)
-    header = torch.empty(blocks, dtype=torch.int16, device=device)
     if not numel:
-        return {"header": header, "payload": torch.empty(0, dtype=torch.uint8, device=device),
+        return {"header": torch.empty(0, dtype=torch.int16, device=device),
+                "payload": torch.empty(0, dtype=torch.uint8, device=device),
                 "escape_index": torch.empty(0, dtype=index_dtype(0), device=device),
                 "escape_value": flat.new_empty(0)}
-    eb, step, inv = _bound(error_bound)
-    dtype = np.int32(DTYPE_CODES[flat.dtype])
-    sizes = torch.empty(blocks, dtype=torch.int32, device=device)
-    escape_counts = torch.empty(blocks, dtype=torch.int32, device=device)
-    grid, block = _grid(blocks)
-    runner.launch(SOURCE, "lorenzo_header", grid, block,
-                  (pointer(flat), dtype, np.int64(numel), eb, step, inv, pointer(header), pointer(sizes),
-                   pointer(escape_counts)), 0, device)
+    header, sizes, escape_counts = lorenzo_header_pass(flat, error_bound, runner=runner)
     offsets, payload_bytes = _exclusive_cumsum(sizes)
     escape_offsets, escapes = _exclusive_cumsum(escape_counts)
-    payload_bytes, escapes = torch.stack([payload_bytes, escapes]).tolist()  # the host read
+    # The one host synchronisation of the encode: the two totals, to allocate the exactly-sized buffers.
+    payload_bytes, escapes = torch.stack([payload_bytes, escapes]).tolist()
     payload = torch.empty(payload_bytes, dtype=torch.uint8, device=device)
     escape_index = torch.empty(escapes, dtype=index_dtype(numel), device=device)
     escape_value = torch.empty(escapes, dtype=flat.dtype, device=device)
-    runner.launch(SOURCE, "lorenzo_payload", grid, block,
-                  (pointer(flat), dtype, np.int64(numel), eb, step, inv, pointer(offsets), pointer(escape_offsets),
-                   pointer(payload), pointer(escape_index), np.int32(escape_index.dtype == torch.int64),
-                   pointer(escape_value)), 0, device)
+    if payload_bytes or escapes:  # else every block is header-only (e.g. all zeros): nothing to write
+        grid, block = _grid(-(-numel // BLOCK))
+        runner.launch(SOURCE, "lorenzo_payload", grid, block,
+                      (pointer(flat), np.int32(DTYPE_CODES[flat.dtype]), np.int64(numel), *_bound(error_bound),
+                       pointer(offsets), pointer(escape_offsets), pointer(payload), pointer(escape_index),
+                       np.int32(escape_index.dtype == torch.int64), pointer(escape_value)), 0, device)
     return {"header": header, "payload": payload, "escape_index": escape_index, "escape_value": escape_value}
 
 
