@@ -102,6 +102,14 @@ def test_special_values_bit_identical(runner, dtype, case):
     check_encode_and_decode(runner, _special(case, dtype, 1e-2), 1e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_bound_beyond_float32_range_is_capped_alike(runner, dtype):
+    x = _special("non_finite", torch.float32, 1e-2) * 1e37
+    check_encode_and_decode(runner, x.to(dtype), 1e39)
+
+
 @pytest.mark.toolchain
 @requires_gxx
 def test_lorenzo_blocks_with_lead_values_of_1_to_4_bytes(runner):

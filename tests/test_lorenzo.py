@@ -195,6 +195,21 @@ def test_working_bound_is_the_largest_float32_not_above_the_bound():
         assert step == 2 * eb and inv == float(np.float32(1) / np.float32(step))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_huge_bounds_keep_a_finite_grid(dtype):
+    """A bound near float32's max would overflow the step 2 * eb: it is capped, every guarantee still holds."""
+    eb, step, _ = working_bound(1e300)
+    assert eb == lorenzo.MAX_WORKING_BOUND and math.isfinite(step)
+    x = torch.tensor([0.0, -0.0, 1.0, -3e38, 3e38, float("inf"), float("nan")]).to(dtype)
+    codec = act.codecs.get("lorenzo", error_bound=1e39)
+    decoded = codec.decode(codec.encode(x))
+    small = x.float().abs() <= eb
+    assert torch.equal(decoded[small], torch.zeros(int(small.sum()), dtype=dtype))
+    finite = x.isfinite()
+    assert (decoded[finite].double() - x[finite].double()).abs().max() <= eb
+    assert torch.equal(decoded[~finite & ~x.isnan()], x[~finite & ~x.isnan()]) and decoded[6].isnan()
+
+
 def test_deterministic():
     x = torch.randn(5000)
     a, _ = round_trip(x, 1e-3)

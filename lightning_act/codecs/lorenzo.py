@@ -68,9 +68,15 @@ MODE_RAW, MODE_LORENZO, MODE_SPARSE = 0, 1, 2
 CHUNK_ELEMENTS = 1 << 18
 
 
+# Largest working bound: twice it is the largest finite float32, so the grid step never overflows (a larger
+# bound would decode code 0 as 0 * inf = NaN); every finite float32 beyond it escapes and is stored raw.
+MAX_WORKING_BOUND = float(np.finfo(np.float32).max) / 2
+
+
 def working_bound(error_bound: float) -> tuple[float, float, float]:
-    """``(eb, step, inv)``: the largest float32 <= ``error_bound``, ``2 * eb`` and ``1 / step`` in float32."""
-    eb = np.float32(error_bound)
+    """``(eb, step, inv)``: the largest float32 <= ``error_bound`` (at most ``MAX_WORKING_BOUND``), ``2 * eb``
+    and ``1 / step`` in float32."""
+    eb = np.float32(min(error_bound, MAX_WORKING_BOUND))
     if float(eb) > error_bound:
         eb = np.nextafter(eb, np.float32(0))
     with np.errstate(over="ignore", divide="ignore"):
