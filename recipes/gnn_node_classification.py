@@ -181,7 +181,7 @@ def train(args, data, kind: str, compress: bool, writer=None) -> tuple[RunResult
     model = build_model(kind, data.num_features, args.hidden, int(data.y.max()) + 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=5e-4)
     adj = adjacency(data, args.adjacency)
-    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=args.bits, min_numel=args.min_numel))
+    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=args.bits, adaptive=False, min_numel=args.min_numel))
     clock = StepClock()
     with LayerStats(model, compressor) as layers:
         for epoch in range(args.epochs):
