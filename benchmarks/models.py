@@ -1,7 +1,9 @@
-"""Models and helpers the benchmark scripts share: each builder returns ``(model, loss_fn)`` for one fixed
-random batch (random init, nothing downloaded), sized so that saved activations dominate a training step."""
+"""Models and helpers the benchmark scripts share. Each builder returns ``(model, loss_fn)`` for one fixed
+random batch (random init, nothing downloaded). Also: one training step, alternating step timing (with peak
+memory), the machine description and the CPU time other processes used during a run."""
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -9,6 +11,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from peak_memory import peak_step_bytes
 
 
 def cnn(batch: int, size: int = 64):
@@ -20,6 +24,44 @@ def cnn(batch: int, size: int = 64):
         nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(64 * (size // 4) ** 2, 10))
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+    return model, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+class Bottleneck(nn.Module):
+    """ResNet-50's bottleneck: 1x1 -> 3x3 (stride) -> 1x1 (x4 channels), BN after each, ReLU after the sum."""
+
+    def __init__(self, in_channels: int, width: int, stride: int):
+        super().__init__()
+        out_channels = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels))
+        self.shortcut = nn.Identity() if stride == 1 and in_channels == out_channels else nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def resnet50(num_classes: int = 1000) -> nn.Sequential:
+    """ResNet-50 (He et al. 2016): stem, stages of 3/4/6/3 bottlenecks, average pool, linear head."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                               nn.MaxPool2d(3, 2, 1)]
+    channels = 64
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(blocks):
+            layers.append(Bottleneck(channels, width, stride if i == 0 else 1))
+            channels = 4 * width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def resnet(batch: int, size: int = 64, classes: int = 10):
+    """ResNet-50 (``resnet50``) on ``size``^2 RGB with a ``classes``-way head."""
+    torch.manual_seed(0)
+    model = resnet50(classes)
+    x, y = torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
     return model, lambda: nn.functional.cross_entropy(model(x), y)
 
 
@@ -58,7 +100,8 @@ def gcn(nodes: int, degree: int = 10, features: int = 128, hidden: int = 256, cl
 
 
 def train_step(model: nn.Module, loss_fn, compressor=None) -> float:
-    """Seconds of one forward + backward (inside ``compressor.compress()`` when given)."""
+    """Seconds of one forward + backward (inside ``compressor.compress()`` when given). The gradients are
+    dropped afterwards, so every step starts from the same state and a step's peak memory includes them."""
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
     if compressor is None:
@@ -67,25 +110,48 @@ def train_step(model: nn.Module, loss_fn, compressor=None) -> float:
         with compressor.compress():
             loss = loss_fn()
     loss.backward()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def alternating_steps(model: nn.Module, loss_fn, compressors: dict, repeats: int, warmup: int = 2,
+                      peaks: bool = False) -> dict:
+    """Per entry of ``compressors`` (``None``: no compression), the step seconds and, with ``peaks``, the step's
+    peak resident-set growth in bytes (``peak_memory.peak_step_bytes``) of every measured step. The entries take
+    turns step by step after ``warmup`` rounds, so every configuration sees the same machine state."""
+    measured = {name: {"seconds": [], "peak_bytes": []} for name in compressors}
+    for round_index in range(warmup + repeats):
+        for name, compressor in compressors.items():
+            seconds = []
+            if peaks:
+                peak = peak_step_bytes(lambda: seconds.append(train_step(model, loss_fn, compressor)))
+            else:
+                seconds.append(train_step(model, loss_fn, compressor))
+            if round_index >= warmup:
+                measured[name]["seconds"] += seconds
+                if peaks:
+                    measured[name]["peak_bytes"].append(peak)
+    return measured
 
 
 def median_step_times(model: nn.Module, loss_fn, compressors: dict, repeats: int, warmup: int = 2) -> dict:
-    """Median step seconds per entry of ``compressors`` (``None``: no compression), the entries taking turns
-    step by step after ``warmup`` rounds, so every configuration sees the same machine state."""
-    times = {name: [] for name in compressors}
-    for round_index in range(warmup + repeats):
-        for name, compressor in compressors.items():
-            seconds = train_step(model, loss_fn, compressor)
-            if round_index >= warmup:
-                times[name].append(seconds)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median step seconds per entry of ``compressors`` (``None``: no compression), measured alternately
+    (``alternating_steps``)."""
+    measured = alternating_steps(model, loss_fn, compressors, repeats, warmup)
+    return {name: statistics.median(m["seconds"]) for name, m in measured.items()}
 
 
 def machine() -> str:
-    """What the numbers were measured on."""
-    return (f"{platform.machine()} {platform.processor() or ''}".strip() +
-            f", {torch.get_num_threads()} threads, torch {torch.__version__}")
+    """What the numbers were measured on: platform, CPU model and count, torch threads and version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} CPUs, "
+            f"{torch.get_num_threads()} threads, torch {torch.__version__}")
 
 
 def publish(text: str, out: Path | None) -> None:
@@ -94,3 +160,66 @@ def publish(text: str, out: Path | None) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
+
+
+# ---- what else ran on the machine -----------------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _process_ticks() -> dict[int, tuple[int, int, int, str]]:
+    """pid -> (parent pid, own CPU ticks, reaped children's CPU ticks, command) of every visible process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        name = command or stat[stat.find("(") + 1:stat.rfind(")")]
+        table[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14]),
+                             name[:70])
+    return table
+
+
+def _busy_ticks() -> int:
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+class MachineLoad:
+    """CPU time the rest of the machine used while a benchmark ran (``with MachineLoad() as load: ...``, then
+    ``load.summary()``): all CPUs' busy time from ``/proc/stat`` minus this process tree's, from ``/proc``
+    (Linux). Load averages at start and end, and the other processes that used the most CPU."""
+
+    def __enter__(self) -> "MachineLoad":
+        self._start = (time.monotonic(), _busy_ticks(), _process_ticks(), os.getloadavg())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._end = (time.monotonic(), _busy_ticks(), _process_ticks(), os.getloadavg())
+
+    def summary(self) -> dict:
+        (t0, busy0, procs0, load0), (t1, busy1, procs1, load1) = self._start, self._end
+        ours = {os.getpid()}
+        for _ in range(8):  # descendants: a few generations are enough (run_all -> forkserver -> probe)
+            ours |= {pid for pid, (parent, *_) in procs1.items() if parent in ours}
+        me0 = sum(procs0[p][1] + procs0[p][2] for p in ours if p in procs0)
+        me1 = sum(procs1[p][1] + procs1[p][2] for p in ours)
+        others = {}
+        for pid, (_, own, _, command) in procs1.items():
+            if pid not in ours:
+                used = own - (procs0[pid][1] if pid in procs0 and procs0[pid][3] == command else 0)
+                others[command] = others.get(command, 0) + used
+        wall = t1 - t0
+        other_seconds = max(busy1 - busy0 - (me1 - me0), 0) / _TICK
+        return {"wall_s": wall, "cpus": os.cpu_count(), "own_cpu_s": (me1 - me0) / _TICK,
+                "other_cpu_s": other_seconds, "other_cores": other_seconds / wall if wall else 0.0,
+                "loadavg_start": load0[0], "loadavg_end": load1[0],
+                "top_others": sorted(((c, s / _TICK) for c, s in others.items() if s / _TICK >= 1.0),
+                                     key=lambda cs: -cs[1])[:5]}
