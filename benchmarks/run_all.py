@@ -131,9 +131,12 @@ def memory_and_time(scale: Scale) -> list[dict]:
         configs = [c for c in scale.memory_configs if (name, c) not in NOT_RUN]
         compressors = {c: None if CONFIGS[c] is None else act.ActivationCompressor(model, CONFIGS[c])
                        for c in configs}
+        average_bits = {}
         for config, compressor in compressors.items():
             if compressor is not None and compressor.config.adaptive:  # L1: one full auto-precision round
-                AutoPrecision(compressor).adapt(0, lambda c=compressor: train_step(model, loss_fn, c))
+                auto = AutoPrecision(compressor)
+                auto.adapt(0, lambda c=compressor: train_step(model, loss_fn, c))
+                average_bits[config] = auto.average_bits
         measured = alternating_steps(model, loss_fn, compressors, scale.repeats, warmup=1, peaks=True)
         plain = act.ActivationCompressor(model, act.ACTConfig(opt_level="L0"))  # what the baseline saves
         train_step(model, loss_fn, plain)
@@ -145,7 +148,7 @@ def memory_and_time(scale: Scale) -> list[dict]:
                          "peaks_mib": [p / MiB for p in measured[config]["peak_bytes"]],
                          "saved_mib": saved / MiB, "stored_mib": stats.device_bytes / MiB,
                          "ratio": saved / stats.device_bytes, "stats_original_mib": stats.original_bytes / MiB,
-                         "stats_ratio": stats.ratio,
+                         "stats_ratio": stats.ratio, "average_bits": average_bits.get(config),
                          "step_ms": statistics.median(measured[config]["seconds"]) * 1e3})
         base = next(r for r in rows if r["model"] == name and r["config"] == "baseline")
         for r in rows:
@@ -470,6 +473,8 @@ def report(results: dict, command: str, load: dict) -> str:
                   "baseline's; Δ acc: accuracy change in points against the same seed's baseline, mean ± std "
                   "over seeds (lorenzo there with the adaptive error bound).", "", *_table(header, rows), "", where, ""]
     if "memory" in results:
+        l1_bits = ", ".join(f"{r['model']} {r['average_bits']:.2f}" for r in results["memory"]
+                            if r["average_bits"] is not None) or "-"
         lines += ["## Peak memory and step time of one training step", "",
                   "Peak: resident-set growth above the level before the step (VmHWM), median over the measured "
                   "steps; the configurations take turns step by step after a warm-up round. Saved MiB: what "
@@ -477,10 +482,10 @@ def report(results: dict, command: str, load: dict) -> str:
                   "compressor's count); stored MiB: what the configuration keeps (`stats().device_bytes`); "
                   "ratio: saved / stored. (`stats().ratio` divides its own `original_bytes` instead, which "
                   "counts a ReLU's 1-bit mask and the float tensor it shares storage with separately: "
-                  "`report.json` has both.) L1 ran one full "
-                  "auto-precision round first (4 bits on average). L2 (swap) is left out: on a CPU it copies "
-                  "host to host, see `levels.md`. The peak includes the gradients (dropped between steps) and "
-                  "the codecs' temporaries while they encode and decode.", "",
+                  "`report.json` has both.) L1 ran one full auto-precision round first (a budget of 4 bits on "
+                  f"average over the tensors it allocates; allocated average: {l1_bits} bits). L2 (swap) is left "
+                  "out: on a CPU it copies host to host, see `levels.md`. The peak includes the gradients (dropped "
+                  "between steps) and the codecs' temporaries while they encode and decode.", "",
                   *_table(["model", "batch/nodes", "config", "saved MiB", "stored MiB", "ratio", "peak MiB",
                            "peak ÷", "step ms", "time ×"],
                           [[r["model"], r["size"], r["config"], f"{r['saved_mib']:.1f}", f"{r['stored_mib']:.1f}",
