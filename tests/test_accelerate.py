@@ -140,6 +140,10 @@ out = {{"world": accelerator.num_processes, "wrapped": type(model).__name__, "ra
         "param_sum": float(sum(p.detach().double().sum() for p in model.parameters()))}}
 with open({out!r} + f"/rank{{accelerator.process_index}}.json", "w") as f:
     json.dump(out, f)
+# gloo's worker threads abort the interpreter ("terminate called without an active
+# exception") when the process group is still alive at exit
+accelerator.wait_for_everyone()
+torch.distributed.destroy_process_group()
 """
 
 

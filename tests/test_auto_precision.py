@@ -368,6 +368,8 @@ def test_ddp_two_processes_end_with_identical_assignments(tmp_path: Path):
         with open({str(tmp_path)!r} + f"/rank{{trainer.global_rank}}.json", "w") as f:
             json.dump({{"assignment": auto.assignment(), "rounds": auto.rounds,
                        "param_sum": float(sum(p.sum() for p in model.parameters()))}}, f)
+        if torch.distributed.is_initialized():  # gloo threads abort at exit otherwise
+            torch.distributed.destroy_process_group()
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,

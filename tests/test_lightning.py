@@ -143,6 +143,8 @@ def test_act_ddp_two_processes_both_compress(tmp_path: Path):
                 "param_sum": float(sum(p.sum() for p in model.parameters()))}}
         with open({str(tmp_path)!r} + f"/rank{{trainer.global_rank}}.json", "w") as f:
             json.dump(out, f)
+        if torch.distributed.is_initialized():  # gloo threads abort at exit otherwise
+            torch.distributed.destroy_process_group()
     """))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
