@@ -38,9 +38,23 @@ def test_paper_formula():
     assert paper_error_bound(momentum=1.0, mean_grad=0.0, terms=64, nonzero=1.0) is None
 
 
-def test_tracked_layers_are_modules_with_own_parameters():
-    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)))
-    assert list(tracked_layers(model)) == ["0", "2.0", "2.1"]
+class _BiasOnly(nn.Module):
+    """A GCN-like wrapper: a weight layer inside, a bias and a multiplicative normaliser of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64, bias=False)
+        self.bias = nn.Parameter(torch.zeros(64))
+
+    def forward(self, x):
+        norm = torch.rand(x.shape[0], 1, generator=torch.Generator().manual_seed(0)) * 0.1  # like 1/sqrt(deg)
+        return self.lin(x) * norm + self.bias
+
+
+def test_tracked_layers_are_modules_with_a_weight_matrix_or_kernel():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)),
+                          _BiasOnly())
+    assert list(tracked_layers(model)) == ["0", "2.0", "3.lin"]
 
 
 def test_momentum_in_gradient_units_for_sgd_and_adam():
@@ -85,7 +99,9 @@ def test_controller_state_round_trips_bounds_and_schedule():
     resumed.load_state_dict(state)
     assert resumed.error_bounds == controller.error_bounds
     assert not resumed._measuring  # step 4 is not a measured step (every 3rd is)
-    assert resumed(0, torch.randn(4)).error_bound == min(state["error_bounds"].values())
+    x = torch.randn(4, 32)
+    resumed._running.append(("2", x))
+    assert resumed(0, x).error_bound == state["error_bounds"]["2"]
 
 
 def test_bounds_per_layer_follow_the_momentum():
@@ -98,12 +114,16 @@ def test_bounds_per_layer_follow_the_momentum():
         changed = _train_step(model, compressor, optimizer, controller, x, y)
         assert set(changed) == {"0", "2"}
         first = dict(controller.error_bounds)
-        # a saved tensor inside layer "2" gets that layer's bound, one outside any layer the smallest
-        controller._running.append("2")
-        codec = controller(0, torch.randn(4))
+        # layer "2"'s input (itself, a view, an autocast copy) gets its bound; anything else the configured codec
+        h = torch.randn(8, 32)
+        controller._running.append(("2", h))
+        for saved in (h, h.view(2, 4, 32), h.to(torch.bfloat16)):
+            codec = controller(0, saved)
+            assert isinstance(codec, LorenzoCodec) and codec.error_bound == first["2"]
+        assert controller(0, torch.randn(8, 1)) is None
+        assert controller(0, torch.randn(8, 8, 8)) is None  # softmax-like: same size, other last dimension
         controller._running.pop()
-        assert isinstance(codec, LorenzoCodec) and codec.error_bound == first["2"]
-        assert controller(0, torch.randn(4)).error_bound == min(first.values())
+        assert controller(0, h) is None  # outside any layer
 
         for state in optimizer.state.values():
             state["momentum_buffer"].mul_(4)
@@ -120,9 +140,27 @@ def test_default_codec_until_first_refresh_then_lorenzo():
     model = _mlp()
     compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
     controller = ErrorBoundController(compressor, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert controller(0, torch.randn(4)) is None
+    x = torch.randn(4, 16)
+    controller._running.append(("0", x))
+    assert controller(0, x) is None
     controller.initial_error_bound = 1e-3
-    assert controller(0, torch.randn(4)).error_bound == 1e-3
+    assert controller(0, x).error_bound == 1e-3
+
+
+def test_gradient_multipliers_keep_the_configured_bound():
+    """An adapted bound can exceed a normaliser's values (GCN's edge weights): only layer inputs take it."""
+    model = _BiasOnly()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(codec="lorenzo", error_bound=1e-4, min_numel=0))
+    optimizer = torch.optim.Adam(model.parameters())
+    controller = ErrorBoundController(compressor, optimizer, interval=1, initial_error_bound=10.0)
+    x = torch.randn(256, 64)
+    with controller:
+        with compressor.compress():
+            loss = model(x).square().mean()
+        loss.backward()
+    bounds = sorted((r.shape, r.error_bound) for r in compressor.stats().records if r.codec == "lorenzo")
+    # lin's input at the layer's bound; lin's output and the normaliser (the product's operands) not
+    assert bounds == [((256, 1), 1e-4), ((256, 64), 1e-4), ((256, 64), 10.0)]
 
 
 def test_hooks_removed_and_policy_restored_even_if_forward_raises():
@@ -186,7 +224,8 @@ def _train_mlp(adaptive: bool, epochs: int = 6) -> tuple[float, ErrorBoundContro
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0) if adaptive else "L0")
+    config = act.ACTConfig(codec="lorenzo", error_bound=1e-3, min_numel=0)  # for tensors other than layer inputs
+    compressor = act.ActivationCompressor(model, config if adaptive else "L0")
     controller = ErrorBoundController(compressor, optimizer, interval=5)
     with controller if adaptive else contextlib.nullcontext():
         for epoch in range(epochs):

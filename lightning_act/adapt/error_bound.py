@@ -21,10 +21,16 @@ with the choices made here (measured every ``interval`` optimizer steps; bounds 
   series of gradients), Adam's bias-corrected ``exp_avg``. An optimizer without momentum (plain SGD, RMSprop,
   none at all) gives nothing to adapt to: those layers get ``fallback_error_bound``, with a warning.
 
-A saved tensor gets the bound of the innermost tracked layer (a module with parameters of its own) running
-when autograd saves it: ``Linear``/``Conv`` save their input there. Tensors saved elsewhere (activation
-functions, attention matmuls, pooling) get the smallest bound of all layers, which holds for whichever layer
-reads them. Before the first refresh the engine's default codec applies (or ``initial_error_bound``).
+Eq. 9 bounds what a layer's weight gradient reads: the layer's input. So the tracked layers are modules with
+a weight matrix or kernel of their own (``Linear``, ``ConvNd``, PyG's ``Linear``; not bias-only wrappers or
+norms), and a saved tensor gets the innermost running layer's bound only when it is that layer's input (the
+same storage, or a copy of the same size and last dimension, as autocast makes). Every other saved tensor
+(activation-function inputs, softmax outputs, attention probabilities, GCN's edge normalisation, norm
+statistics) is read by the backward as a multiplier of the gradient, which the eq. 9 model does not cover:
+those use the compressor's configured codec, whose ``error_bound`` is then the bound for all of them (an
+adapted bound larger than a GCN's edge weights would store them as zeros and cut the gradient to the first
+layer). A storage saved twice is stored once, at the bound of its first save. Before the first refresh layer
+inputs use ``initial_error_bound`` or, without one, the configured codec too.
 """
 from __future__ import annotations
 
@@ -63,21 +69,31 @@ class LayerStats:
         return self.grad_sum / self.grad_count if self.grad_count else 0.0
 
 
+def _own_weights(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable floating-point parameters of ``module`` itself with at least 2 dimensions (matrices, kernels)."""
+    return [p for p in module.parameters(recurse=False) if p.requires_grad and p.is_floating_point() and p.dim() >= 2]
+
+
 def tracked_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules with trainable floating-point parameters of their own, by qualified name."""
-    layers = {}
-    for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad and p.is_floating_point()]
-        if own:
-            layers[name or type(module).__name__] = module
-    return layers
+    """Modules with a trainable weight matrix or kernel of their own, by qualified name."""
+    return {name or type(module).__name__: module for name, module in model.named_modules() if _own_weights(module)}
 
 
 def _weight(module: nn.Module) -> nn.Parameter:
     weight = getattr(module, "weight", None)
-    if isinstance(weight, nn.Parameter):
+    if isinstance(weight, nn.Parameter) and weight.dim() >= 2:
         return weight
-    return next(p for p in module.parameters(recurse=False) if p.requires_grad)
+    return _own_weights(module)[0]
+
+
+def _is_input(t: torch.Tensor, x: torch.Tensor | None) -> bool:
+    """Whether saved tensor ``t`` is layer input ``x``: a view of its storage, or a same-sized copy with the
+    same last dimension (autocast saves the cast input)."""
+    if x is None:
+        return False
+    if t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return True
+    return t.numel() == x.numel() and t.dim() > 0 and x.dim() > 0 and t.shape[-1] == x.shape[-1]
 
 
 def _group_of(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict:
@@ -151,7 +167,7 @@ class ErrorBoundController:
         self.stats: dict[str, LayerStats] = {}
         self.steps = 0
         self._measuring = True  # the first step is measured so bounds exist from the second on
-        self._running: list[str] = []
+        self._running: list[tuple[str, torch.Tensor | None]] = []  # (layer, its input) innermost last
         self._handles: list = []
         self._codecs: dict[float, Codec] = {}
         self._previous_policy = None
@@ -192,16 +208,16 @@ class ErrorBoundController:
 
     def _enter(self, module: nn.Module, args) -> None:
         name = self._name_of[id(module)]
-        self._running.append(name)
-        if self._measuring and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
-            x = args[0]
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        self._running.append((name, x))
+        if self._measuring and torch.is_grad_enabled() and x is not None:
             if x.is_floating_point() and x.numel():
                 self.stats.setdefault(name, LayerStats()).nonzero = max(
                     float((x != 0).float().mean()), 1.0 / x.numel())
 
     def _exit(self, module: nn.Module, args, output) -> None:
         name = self._name_of[id(module)]
-        if self._running and self._running[-1] == name:
+        if self._running and self._running[-1][0] == name:
             self._running.pop()
         if not (self._measuring and isinstance(output, torch.Tensor) and output.requires_grad):
             return
@@ -216,13 +232,14 @@ class ErrorBoundController:
 
     # ---- policy -----------------------------------------------------------------------------------------
     def __call__(self, index: int, t: torch.Tensor) -> Codec | None:
-        """The engine's ``codec_policy``: a ``lorenzo`` codec at the running layer's bound."""
-        if not t.is_floating_point():
+        """The engine's ``codec_policy``: a ``lorenzo`` codec at the running layer's bound for that layer's input;
+        ``None`` (the configured codec) for everything else."""
+        if not (t.is_floating_point() and self._running):
             return None
-        layer = self._running[-1] if self._running else None
-        bound = self.error_bounds.get(layer) if layer is not None else None
-        if bound is None:
-            bound = min(self.error_bounds.values()) if self.error_bounds else self.initial_error_bound
+        layer, x = self._running[-1]
+        if not _is_input(t, x):
+            return None
+        bound = self.error_bounds.get(layer, self.initial_error_bound)
         return self.codec(bound) if bound is not None else None
 
     def codec(self, bound: float) -> Codec:
