@@ -100,7 +100,7 @@ FULL = Scale(
     budgets_mib={"ResNet-50": 384, "BERT": 256}, batch_configs=("baseline", "quantize 4-bit", "quantize 2-bit"),
     max_batch=4096, batch_tolerance=0.03, throughput_mib=(1, 16, 256, 1024), lorenzo_max_mib=256, seeds=(0, 1, 2),
     digits={"epochs": 3, "steps": None}, graph={"epochs": 100},
-    text={"train": 384, "eval": 400, "length": 32, "epochs": 1, "batch": 8, "lr": 1e-4},
+    text={"train": 384, "eval": 400, "length": 32, "epochs": 2, "batch": 8, "lr": 5e-5},
     batch_models={"ResNet-50": {"size": 32}, "BERT": {"seq": 128, "layers": 4}})
 QUICK = Scale(
     models={"ResNet-50": ("resnet", 16, {"size": 32}), "BERT": ("bert", 2, {"seq": 32, "layers": 1}),
