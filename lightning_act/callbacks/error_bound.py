@@ -12,8 +12,9 @@ PREFIX = "act/error_bound/"
 
 
 class ErrorBoundCallback(Callback):
-    """Compresses each layer's saved activations with ``lorenzo`` at a bound derived from the optimizer's
-    momentum every ``interval`` steps (see :mod:`lightning_act.adapt.error_bound`), and logs the bounds as
+    """Compresses each weight layer's saved input with ``lorenzo`` at a bound derived from the optimizer's
+    momentum every ``interval`` steps (see :mod:`lightning_act.adapt.error_bound`; the other saved tensors use
+    the strategy's configured codec, e.g. ``ACTConfig(codec="lorenzo", error_bound=1e-3)``), and logs the bounds as
     ``act/error_bound/<layer>`` whenever a refresh changes them. Needs an ``ACTStrategy``/``ACTDDPStrategy``.
     Its state (bounds, step count, history) is saved in Lightning checkpoints and restored on resume."""
 
