@@ -134,12 +134,11 @@ class ACTTrainerMixin:
     def _maybe_adapt(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch) -> None:
         _ = self.compressor  # (re)attaches auto-precision to the current model's compressor
         self.auto_precision.ddp_model = model if isinstance(model, DistributedDataParallel) else None
-        prepared = self._prepare_inputs(inputs)
 
-        def forward_backward() -> None:
+        def forward_backward() -> None:  # prepares inputs only on the steps that probe
             model.train()
             with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, prepared, num_items_in_batch=num_items_in_batch)
+                loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
             loss.backward()
 
         self.auto_precision.maybe_adapt(self.state.global_step, forward_backward)
