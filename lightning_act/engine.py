@@ -8,9 +8,9 @@ and records the step's statistics.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -60,50 +60,59 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
     return False
 
 
-class _VersionGuard:
-    """Autograd's in-place check, kept although hooks bypass it.
+# The storage every version alias points at: an alias keeps a saved tensor's version counter, not its memory.
+_NO_STORAGE = torch.empty(0)
 
-    A detached alias shares the saved tensor's version counter; swapping the alias onto an empty storage
-    keeps the counter without keeping the activation's memory alive.
-    """
 
-    __slots__ = ("alias", "version", "shape")
+def _version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing ``t``'s version counter but none of its memory.
 
-    def __init__(self, t: torch.Tensor):
+    ``detach()`` shares the counter and assigning ``.data`` swaps the storage without bumping it, so nothing
+    autograd or another thread can observe on ``t`` changes. (``set_`` bumps the shared counter: a tensor saved
+    by two threads at once, such as one input batch fed to several replicas, then failed autograd's own
+    "pack hook is modifying its input in place" check in the other thread.)"""
+    alias = t.detach()
+    alias.data = _NO_STORAGE
+    return alias
+
+
+class _Saved:
+    """What autograd holds for one saved tensor between forward and backward.
+
+    ``watched`` is the tensor whose version counter autograd's in-place check reads: the saved tensor itself
+    when it is kept, else a :func:`_version_alias` of it (``None``: not checked)."""
+
+    __slots__ = ("watched", "version", "shape", "tensor", "packed", "swapped", "codec", "geometry")
+
+    def __init__(self, t: torch.Tensor, watched: torch.Tensor | None, tensor: torch.Tensor | None = None,
+                 packed: Packed | None = None, swapped: "SwapHandle | None" = None, codec: Codec | None = None,
+                 geometry: tuple | None = None):
+        self.watched = watched
         self.version = t._version
-        self.shape = tuple(t.shape)
-        alias = t.detach()
-        with torch.no_grad():
-            alias.set_(torch.empty(0, dtype=t.dtype, device=t.device))
-        # set_ bumps the shared counter: put it back so autograd's own saved copies stay valid
-        torch._C._autograd._unsafe_set_version_counter((alias,), (self.version,))
-        self.alias = alias
+        self.shape = t.shape
+        self.tensor = tensor  # kept as it is
+        self.packed = packed  # compressed form of the tensor, or of its whole storage
+        self.swapped = swapped  # ... or that form moved to host memory
+        self.codec = codec
+        self.geometry = geometry  # (size, stride, storage_offset) of a view into a compressed storage
 
-    def check(self) -> None:
-        if self.alias._version != self.version:
+    def check_version(self) -> None:
+        if self.watched is not None and self.watched._version != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a saved tensor of shape {list(self.shape)} is at version {self.alias._version}; "
+                f"operation: a saved tensor of shape {list(self.shape)} is at version {self.watched._version}; "
                 f"expected version {self.version} instead (lightning_act keeps autograd's in-place check)"
             )
 
 
-@dataclass
-class _Saved:
-    """What autograd holds for one saved tensor between forward and backward."""
-
-    guard: _VersionGuard | None
-    tensor: torch.Tensor | None = None  # kept as it is
-    packed: Packed | None = None  # compressed form of the tensor, or of its whole storage
-    swapped: "SwapHandle | None" = None  # ... or that form moved to host memory
-    codec: Codec | None = None
-    geometry: tuple | None = None  # (size, stride, storage_offset) of a view into a compressed storage
-    shape: torch.Size | None = None
+def _kept(t: torch.Tensor, watch: bool = True) -> _Saved:
+    return _Saved(t, t if watch else None, tensor=t)
 
 
 class _Step:
     """Bookkeeping of one forward under ``compress()``, or of a checkpoint's recomputation in its backward
-    (``phase="recompute"``, sharing the records of the step that ran the forward)."""
+    (``phase="recompute"``, sharing the records of the step that ran the forward). The hooks are bound to their
+    step, so steps of different threads never share state."""
 
     def __init__(self, number: int, param_storages: set[int], records: list[TensorRecord] | None = None,
                  phase: str = "forward"):
@@ -111,14 +120,16 @@ class _Step:
         self.param_storages = param_storages
         self.records: list[TensorRecord] = [] if records is None else records
         self.phase = phase
-        # (storage ptr, dtype, version, geometry) -> (weak ref to the storage, _Saved of its first save)
+        self.tracker: FunctionTracker | None = None
+        # (storage ptr, dtype, version, geometry, codec) -> (weak ref to the storage, _Saved of its first save)
         self.seen: dict[tuple, tuple[StorageWeakRef, _Saved]] = {}
 
 
 def _storage_unit(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None, tuple]:
-    """What to compress for ``t``: the tensor itself, or its whole storage when ``t`` is a view covering most of
-    it (then stride-0 expansions and transposes cost their real storage, and views of one storage are stored
-    once). Returns ``(flat unit, geometry to rebuild t, de-duplication key)``."""
+    """What a memory-order codec compresses for ``t``: the tensor itself, or its whole storage in memory order
+    when ``t`` is a view covering most of it (channels_last and other permuted layouts, stride-0 expansions and
+    transposes then cost their real storage, and views of one storage are stored once). Returns ``(flat unit,
+    geometry to rebuild t, de-duplication key)``."""
     storage = t.untyped_storage()
     itemsize = t.element_size()
     storage_numel = storage.nbytes() // itemsize
@@ -129,8 +140,11 @@ def _storage_unit(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None, tuple]:
         flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage_numel,))
         geometry = (tuple(t.shape), t.stride(), t.storage_offset())
         return flat, geometry, (ptr, t.dtype, t._version, None)
-    geometry_key = (tuple(t.shape), t.stride(), t.storage_offset())
-    return t.contiguous().reshape(-1), None, (ptr, t.dtype, t._version, geometry_key)
+    return t.contiguous().reshape(-1), None, (ptr, t.dtype, t._version, _geometry(t))
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset()
 
 
 class ActivationCompressor:
@@ -146,6 +160,12 @@ class ActivationCompressor:
     With ``config.blpa_bits`` set, building the compressor converts the model's BatchNorm -> ReLU -> Conv/Linear
     runs into BLPA blocks (``blpa_blocks`` says how many); the parameters stay the same objects, so optimizers
     built before keep working.
+
+    Threads: torch's saved-tensor hooks are per thread, and so are ``compress()`` steps. Several threads may run
+    ``compress()`` on one compressor at once (replicas of one model): each such forward is a step of its own,
+    with its own step number (so its own stochastic-rounding noise) and records; :meth:`stats` returns the
+    calling thread's last completed step. The policies (``bits_policy``, ``codec_policy``, ``noise_policy``)
+    are shared: install and change them (auto-precision rounds, error-bound refreshes) from one thread.
     """
 
     def __init__(self, model: nn.Module | None = None, config: ACTConfig | str | dict | None = None):
@@ -158,10 +178,10 @@ class ActivationCompressor:
         self.codec_policy: Callable[[int, torch.Tensor], Codec | None] | None = None
         # Random-stream key for (step number, saved-tensor index); default: fresh noise every step.
         self.noise_policy: Callable[[int, int], int] | None = None
-        self._step: _Step | None = None
-        self._tracker: FunctionTracker | None = None
+        self._step_lock = threading.Lock()  # step numbers are handed out once each, whichever thread asks
         self._step_number = 0
-        self._last_step: _Step | None = None
+        self._last_step: _Step | None = None  # last completed step of any thread
+        self._thread = threading.local()  # .step: running in this thread; .last: its last completed step
         self._warned_checkpointing = False
         self.swap_store: SwapStore | None = SwapStore() if self.config.swap else None
         self.blpa_blocks = 0
@@ -179,9 +199,13 @@ class ActivationCompressor:
     @contextlib.contextmanager
     def compress(self) -> Iterator["ActivationCompressor"]:
         """Context around the forward pass; the backward may run after it exits."""
-        if self._step is not None:
-            raise RuntimeError("ActivationCompressor.compress() is already active; it cannot be nested")
-        step = _Step(self._step_number, self._model_storages())
+        if self.current_step is not None:
+            raise RuntimeError("ActivationCompressor.compress() is already active in this thread; it cannot be "
+                               "nested")
+        with self._step_lock:
+            number = self._step_number
+            self._step_number += 1
+        step = _Step(number, self._model_storages())
         outer_active = getattr(_ACTIVE, "compressor", None)
         _ACTIVE.compressor = self
         try:
@@ -191,8 +215,7 @@ class ActivationCompressor:
             _ACTIVE.compressor = outer_active
             if self.swap_store is not None:
                 self.swap_store.end_step(step.number)
-            self._step_number += 1
-            self._last_step = step
+            self._last_step = self._thread.last = step
 
     @contextlib.contextmanager
     def _model_contexts(self) -> Iterator[None]:
@@ -220,45 +243,57 @@ class ActivationCompressor:
     def recompute(self, step: "_Step") -> Iterator[None]:
         """Hooks for a checkpoint's recomputation during backward: what it saves is compressed too and
         recorded in ``step``'s statistics (``phase="recompute"``)."""
-        outer = self._step
-        self._step = None
-        try:
-            with self._hooks(_Step(step.number, step.param_storages, step.records, phase="recompute")):
-                yield
-        finally:
-            self._step = outer
+        with self._hooks(_Step(step.number, step.param_storages, step.records, phase="recompute")):
+            yield
 
     @contextlib.contextmanager
     def _hooks(self, step: "_Step") -> Iterator[None]:
-        self._step = step
-        track = self.config.enabled and self.config.compress_masks and bool(op_codecs.OP_RULES)
-        outer_tracker, self._tracker = self._tracker, FunctionTracker() if track else None
+        outer = self.current_step
+        self._thread.step = step
+        if self.config.enabled and self.config.compress_masks and op_codecs.OP_RULES:
+            step.tracker = FunctionTracker()
         try:
             with contextlib.ExitStack() as stack:
-                if self._tracker is not None:
-                    stack.enter_context(self._tracker)
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+                if step.tracker is not None:
+                    stack.enter_context(step.tracker)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                    functools.partial(self._pack, step), self._unpack))
                 yield
         finally:
-            self._step, self._tracker = None, outer_tracker
+            self._thread.step = outer
+            step.tracker = None
             step.seen.clear()  # the de-dup table must not keep compressed tensors alive past the forward
 
     @property
     def current_step(self) -> "_Step | None":
-        """The step whose forward is running (what a checkpoint needs to record its recomputation)."""
-        return self._step
+        """The step whose forward (or recomputation) runs in this thread (what a checkpoint needs to record
+        its recomputation)."""
+        return getattr(self._thread, "step", None)
 
     def stats(self) -> CompressionStats:
-        """Statistics of the last completed ``compress()`` step, including tensors that checkpoints saved
-        while recomputing in its backward."""
-        if self._last_step is None:
+        """Statistics of this thread's last completed ``compress()`` step (of any thread's, when this one ran
+        none), including tensors that checkpoints saved while recomputing in its backward."""
+        step = getattr(self._thread, "last", None) or self._last_step
+        if step is None:
             return CompressionStats()
-        return CompressionStats.from_records(self._last_step.records)
+        return CompressionStats.from_records(step.records)
 
     @property
     def step_number(self) -> int:
-        """How many ``compress()`` steps have completed."""
+        """How many ``compress()`` steps have started (all of them completed when none is running)."""
         return self._step_number
+
+    @contextlib.contextmanager
+    def detached_steps(self) -> Iterator[None]:
+        """Steps run inside leave no trace: the step counter, the last step's statistics and the policies are
+        put back on exit (auto-precision's probe passes must not shift the real steps' noise keys)."""
+        saved = (self._step_number, self._last_step, getattr(self._thread, "last", None), self.bits_policy,
+                 self.codec_policy, self.noise_policy)
+        try:
+            yield
+        finally:
+            (self._step_number, self._last_step, self._thread.last, self.bits_policy, self.codec_policy,
+             self.noise_policy) = saved
 
     # ---- policy -------------------------------------------------------------------------------------------
     def _model_storages(self) -> set[int]:
@@ -279,94 +314,101 @@ class ActivationCompressor:
         bits = self.bits_policy(index, t) if self.bits_policy is not None else None
         return self._codec(self.config.codec, bits if bits is not None else self.config.bits)
 
-    def noise_key(self, index: int) -> int:
-        """Random-stream key of saved tensor ``index`` in the current step."""
+    def noise_key(self, index: int, step: "_Step | None" = None) -> int:
+        """Random-stream key of saved tensor ``index`` in ``step`` (default: this thread's current step)."""
+        number = (step or self.current_step).number
         if self.noise_policy is not None:
-            return self.noise_policy(self._step.number, index)
-        return rng.mix32(self._step.number) ^ index
+            return self.noise_policy(number, index)
+        return rng.mix32(number) ^ index
 
     def _codec(self, name: str, bits: int | None) -> Codec:
         key = (name, bits)
-        if key not in self._codecs:
+        codec = self._codecs.get(key)
+        if codec is None:
             options = {} if name == "bitmask" else self.config.codec_options()
             if bits is not None and name == "quantize":
                 options["bits"] = bits
-            self._codecs[key] = codecs.get(name, **options)
-        return self._codecs[key]
+            codec = self._codecs[key] = codecs.get(name, **options)
+        return codec
 
-    def _record(self, index, t, kind, codec, bits, original, stored, reason="", offloaded=False,
+    @staticmethod
+    def _record(step, index, t, kind, codec, bits, original, stored, reason="", offloaded=False,
                 error_bound=None) -> None:
-        step = self._step
         step.records.append(TensorRecord(index, tuple(t.shape), t.dtype, kind, codec, bits, original, stored,
                                          reason, step.phase, offloaded, error_bound))
 
-    def _keep(self, index: int, t: torch.Tensor, reason: str, nbytes: int, guard=True) -> _Saved:
-        self._record(index, t, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes, reason)
-        return _Saved(_VersionGuard(t) if guard else None, tensor=t)
+    def _keep(self, step: "_Step", index: int, t: torch.Tensor, reason: str, nbytes: int, watch=True) -> _Saved:
+        self._record(step, index, t, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes, reason)
+        return _kept(t, watch)
 
-    def _pack(self, t: torch.Tensor) -> _Saved:
-        step = self._step
+    def _pack(self, step: "_Step", t: torch.Tensor) -> _Saved:
         index = len(step.records)
         if t.layout != torch.strided:
             nbytes = sum(x.numel() * x.element_size() for x in _sparse_parts(t))
-            return self._keep(index, t, "sparse", nbytes, guard=False)
+            return self._keep(step, index, t, "sparse", nbytes, watch=False)
         if type(t) not in (torch.Tensor, nn.Parameter) or t.device.type == "meta":
-            return self._keep(index, t, f"{type(t).__name__} on {t.device.type}", 0, guard=False)
+            return self._keep(step, index, t, f"{type(t).__name__} on {t.device.type}", 0, watch=False)
         if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in step.param_storages \
                 or _derives_from_leaf(t):
-            self._record(index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
-            return _Saved(_VersionGuard(t), tensor=t)
+            self._record(step, index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
+            return _kept(t)
 
         unit, geometry, key = _storage_unit(t)
         original = unit.numel() * unit.element_size()
-        codec, reason = self._decide(index, t, unit)
+        codec, reason = self._decide(step, index, t, unit)
+        if codec is not None and codec.logical_layout:
+            # the codec reads the tensor's own shape (planes, pooling windows), not its storage in memory order
+            unit, geometry, key = t, None, key[:3] + (_geometry(t),)
         key += (codec.name if codec is not None else None,)  # a mask and the values of one storage differ
         hit = step.seen.get(key)
         if hit is not None and not hit[0].expired():
             first = hit[1]
-            self._record(index, t, DUPLICATE, codec.name if codec is not None else "none", 0.0, 0, 0)
+            self._record(step, index, t, DUPLICATE, codec.name if codec is not None else "none", 0.0, 0, 0)
             if first.tensor is not None:
-                return _Saved(_VersionGuard(t), tensor=t)
-            return _Saved(_VersionGuard(t), packed=first.packed, swapped=first.swapped, codec=first.codec,
-                          geometry=geometry, shape=t.shape)
+                return _kept(t)
+            return _Saved(t, _version_alias(t), packed=first.packed, swapped=first.swapped, codec=first.codec,
+                          geometry=geometry)
 
         if codec is None:
-            saved = self._keep(index, t, reason, original)
+            saved = self._keep(step, index, t, reason, original)
         else:
-            packed = codec.encode(unit, key=self.noise_key(index))
+            packed = codec.encode(unit, key=self.noise_key(index, step))
             stored, swapped = packed.nbytes, None
             if self.swap_store is not None and step.phase == "forward":  # recomputed tensors live briefly
                 swapped, packed = self.swap_store.put(step.number, index, packed), None
-            self._record(index, t, COMPRESSED, codec.name, codec.bits_per_element(unit), original, stored,
+            self._record(step, index, t, COMPRESSED, codec.name, codec.bits_per_element(unit), original, stored,
                          offloaded=swapped is not None, error_bound=codec.error_bound)
-            saved = _Saved(_VersionGuard(t), packed=packed, swapped=swapped, codec=codec, geometry=geometry,
-                           shape=t.shape)
+            saved = _Saved(t, _version_alias(t), packed=packed, swapped=swapped, codec=codec, geometry=geometry)
         step.seen[key] = (StorageWeakRef(t.untyped_storage()), saved)
         return saved
 
-    def _decide(self, index: int, t: torch.Tensor, unit: torch.Tensor) -> tuple[Codec | None, str]:
+    def _decide(self, step: "_Step", index: int, t: torch.Tensor,
+                unit: torch.Tensor) -> tuple[Codec | None, str]:
         """The codec for an activation, or ``None`` and the reason it is kept as it is."""
         if not self.config.enabled:
             if self.config.swap and t.is_floating_point() and unit.numel() >= max(self.config.min_numel, 1):
                 return self._codec("none", None), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
-        if self._tracker is not None and unit.numel() >= self.config.min_numel:
+        codec = None
+        if step.tracker is not None and unit.numel() >= self.config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly
-            codec = op_codecs.codec_for_call(self._tracker.current, t)
-            if codec is not None:
-                return codec, ""
-        if t.dtype == torch.bool and not self.config.compress_masks:
-            return None, "mask compression off"
-        if not (t.is_floating_point() or t.dtype == torch.bool):
-            return None, f"{t.dtype} values"
-        if unit.numel() < max(self.config.min_numel, 1):
-            return None, f"fewer than min_numel={self.config.min_numel} elements"
-        return self.codec_for(index, t), ""
+            codec = op_codecs.codec_for_call(step.tracker.current, t)
+        if codec is None:
+            if t.dtype == torch.bool and not self.config.compress_masks:
+                return None, "mask compression off"
+            if not (t.is_floating_point() or t.dtype == torch.bool):
+                return None, f"{t.dtype} values"
+            if unit.numel() < max(self.config.min_numel, 1):
+                return None, f"fewer than min_numel={self.config.min_numel} elements"
+            codec = self.codec_for(index, t)
+        if codec.dtypes is not None and t.dtype not in codec.dtypes:
+            # a dtype the codec cannot take is kept exactly, never an error inside autograd's hook
+            return None, f"{t.dtype} not taken by codec {codec.name!r}"
+        return codec, ""
 
     @staticmethod
     def _unpack(saved: _Saved) -> torch.Tensor:
-        if saved.guard is not None:
-            saved.guard.check()
+        saved.check_version()
         if saved.tensor is not None:
             return saved.tensor
         packed = saved.packed if saved.packed is not None else saved.swapped.fetch()

@@ -14,6 +14,7 @@ to free), so ordering, reuse and integrity are testable anywhere. ``events`` rec
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -39,25 +40,28 @@ class HostBufferPool:
         self.max_idle_bytes = max_idle_bytes
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._idle: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()  # steps of several threads share the pool
         self.idle_bytes = 0
         self.allocations = 0
         self.reuses = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         size = _size_class(nbytes)
-        free = self._idle.get(size)
-        if free:
-            self.reuses += 1
-            self.idle_bytes -= size
-            return free.pop()
-        self.allocations += 1
+        with self._lock:
+            free = self._idle.get(size)
+            if free:
+                self.reuses += 1
+                self.idle_bytes -= size
+                return free.pop()
+            self.allocations += 1
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     def release(self, buffer: torch.Tensor) -> None:
         size = buffer.numel()
-        if self.idle_bytes + size <= self.max_idle_bytes:
-            self._idle.setdefault(size, []).append(buffer)
-            self.idle_bytes += size
+        with self._lock:
+            if self.idle_bytes + size <= self.max_idle_bytes:
+                self._idle.setdefault(size, []).append(buffer)
+                self.idle_bytes += size
 
 
 @dataclass(eq=False)
@@ -90,9 +94,10 @@ class SwapStore:
             self.events.append((what, key))
 
     def _cuda_streams(self, device: torch.device):
-        if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return self._streams[device]
+        streams = self._streams.get(device)
+        if streams is None:  # two threads may both build a pair; setdefault keeps one for everybody
+            streams = self._streams.setdefault(device, (torch.cuda.Stream(device), torch.cuda.Stream(device)))
+        return streams
 
     def put(self, step: int, index: int, packed: Packed) -> SwapHandle:
         layout, offset = [], 0
@@ -163,5 +168,6 @@ class SwapStore:
 
     def end_step(self, step: int) -> None:
         """Forget the prefetch map of ``step`` (handles stay valid while autograd holds them)."""
-        for key in [k for k in self._handles if k[0] == step and self._handles[k]() is None]:
-            del self._handles[key]
+        for key in list(self._handles):  # a snapshot: other threads' steps add handles meanwhile
+            if key[0] == step and self._handles[key]() is None:
+                del self._handles[key]

@@ -96,16 +96,13 @@ class SensitivityRound:
 def preserved_training_state(compressor: ActivationCompressor,
                              params: Sequence[nn.Parameter]) -> Iterator[Callable[[], None]]:
     """Put back, whatever happens inside: parameter ``.grad``s, module buffers (BatchNorm running statistics),
-    the torch RNG states (dropout) and the compressor's step counter, statistics and policies. Yields
-    ``rewind()``, which puts buffers and RNG back mid-way (before each probe pass). The optimizer is never
-    touched by probes, so it needs no snapshot."""
+    the torch RNG states (dropout) and the compressor's step counter, statistics and policies
+    (:meth:`~ActivationCompressor.detached_steps`). Yields ``rewind()``, which puts buffers and RNG back mid-way
+    (before each probe pass). The optimizer is never touched by probes, so it needs no snapshot."""
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in compressor.model.buffers()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    # the engine has no public snapshot of its step counter; probes must not shift the real steps' noise keys
-    counters = (compressor._step_number, compressor._last_step)
-    policies = (compressor.bits_policy, compressor.noise_policy)
 
     def rewind() -> None:
         with torch.no_grad():
@@ -116,13 +113,12 @@ def preserved_training_state(compressor: ActivationCompressor,
             torch.cuda.set_rng_state_all(cuda_rng)
 
     try:
-        yield rewind
+        with compressor.detached_steps():
+            yield rewind
     finally:
         rewind()
         for p, g in zip(params, grads):
             p.grad = g
-        compressor._step_number, compressor._last_step = counters
-        compressor.bits_policy, compressor.noise_policy = policies
 
 
 def estimate_sensitivities(compressor: ActivationCompressor, forward_backward_fn: Callable[[], object],

@@ -47,6 +47,12 @@ class Codec(ABC):
     lossless: ClassVar[bool] = False
     # Absolute bound on |x - decode(encode(x))| the codec guarantees per element (error-bounded codecs), else None.
     error_bound: float | None = None
+    # The dtypes ``encode`` takes (None: any); the engine keeps tensors of other dtypes exactly.
+    dtypes: ClassVar[frozenset[torch.dtype] | None] = None
+    # False: the codec reads its input in memory order, so the engine may hand it a whole storage (channels_last
+    # and other permuted layouts, views) flattened. True: it reads the tensor's own shape (planes, pooling
+    # windows) and gets the saved tensor as it is, any strides; ``decode`` then returns it contiguous.
+    logical_layout: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:

@@ -12,6 +12,7 @@ from .base import Codec, Packed
 class BitmaskCodec(Codec):
     name = "bitmask"
     lossless = True
+    dtypes = frozenset({torch.bool})
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         if x.dtype != torch.bool:

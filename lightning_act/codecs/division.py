@@ -115,6 +115,8 @@ class DivisionCodec(Codec):
     """Average-pooled bfloat16 copy (block ``block_size`` per spatial dim) + ``bits``-bit per-channel residual."""
 
     name = "division"
+    dtypes = frozenset(FLOAT_DTYPES)
+    logical_layout = True  # pools over the spatial dims of each (sample, channel) plane
 
     def __init__(self, block_size: int = 8, bits: int = 2, seed: int = 0, backend: str = "auto"):
         check_int("block_size", block_size, minimum=1)

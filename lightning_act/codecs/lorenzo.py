@@ -318,6 +318,7 @@ class LorenzoCodec(Codec):
     """Error-bounded Lorenzo codec: ``|x - decode(x)| <= error_bound`` for every finite element, strictly."""
 
     name = "lorenzo"
+    dtypes = frozenset(FLOAT_DTYPES)
 
     def __init__(self, error_bound: float | None = None, backend: str = "auto"):
         check_positive_float("error_bound", error_bound)

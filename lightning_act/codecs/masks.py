@@ -34,6 +34,9 @@ from ._bitpack import pack_codes, packed_nbytes, unpack_codes
 from .base import Codec, Packed
 
 
+FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+
+
 def _float_input(codec: str, x: torch.Tensor) -> None:
     if not x.is_floating_point():
         raise ValueError(f"{codec} codec takes floating-point tensors; got dtype={x.dtype}")
@@ -45,6 +48,7 @@ class PositiveMaskCodec(Codec):
 
     name = "positive_mask"
     lossless = True  # for the sign pattern, all that ReLU's backward reads
+    dtypes = FLOATING
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
@@ -64,6 +68,7 @@ class ScaledMaskCodec(Codec):
 
     name = "scaled_mask"
     lossless = True
+    dtypes = FLOATING
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
@@ -130,6 +135,8 @@ class MaxPoolIndexCodec(Codec):
 
     name = "maxpool_index"
     lossless = True
+    dtypes = frozenset({torch.int64})
+    logical_layout = True  # indices are flat positions in their (row-major) input plane, whatever the strides
 
     def __init__(self, kernel_size, input_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False):
         if isinstance(input_size, int):

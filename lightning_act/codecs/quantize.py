@@ -105,6 +105,7 @@ class QuantizeCodec(Codec):
     """``bits`` in 1/2/4/8: per-group stochastic rounding; 16: bfloat16 cast (16-bit inputs kept); 32: raw."""
 
     name = "quantize"
+    dtypes = frozenset(FLOAT_DTYPES)
 
     def __init__(self, bits: int = 4, group_size: int = 256, stats_dtype: str = "float32", seed: int = 0,
                  backend: str = "auto"):
