@@ -21,6 +21,7 @@ from lightning_act.codecs.quantize import QuantizeCodec, dequantize_reference, q
 from lightning_act.cuda.launcher import CupyRunner, NVRTC_OPTIONS, kernel_source
 from lightning_act.cuda.quantize import dequantize_cuda, quantize_cuda
 from tests.cuda_emulation.emulator import EmulatedModule, EmulatorRunner, requires_gxx
+from tests.cuda_emulation.nan_payloads import nan_tensor
 
 BITS = [1, 2, 4, 8]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -298,6 +299,31 @@ def test_shim_primitives_match_numpy():
     bits = (padded.reshape(-1, 32) > 0).astype(np.uint64) << np.arange(32, dtype=np.uint64)
     assert ballots.tolist() == bits.sum(axis=1).tolist()
     assert lane0.tolist() == np.repeat(padded[::32], 32).tolist()
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_shim_float_operations_give_the_gpu_nan():
+    """NaN results of the emulated operations are 0x7fffffff, a GPU's canonical NaN, whatever NaN went in (x86
+    would keep an operand's payload and sign); other results are the IEEE ones."""
+    module = EmulatedModule(Path(__file__).parent / "cuda_emulation" / "selftest.cu")
+    nans = nan_tensor(torch.float32).numpy()
+    other = np.array([1.5, -2.5, 0.5, -0.0, 3e38, 1e-45, np.inf, 0.0], np.float32)
+    # then inf - inf, 0 / 0, 0 * inf, ...: NaN from operands that are not NaN (x86 gives 0xffc00000)
+    a = np.concatenate([nans, other, np.array([np.inf, 0, np.inf, 0, -np.inf, 1.5, 1e-45, 3e38], np.float32)])
+    b = np.concatenate([other, nans, np.array([np.inf, 0, -np.inf, np.inf, -np.inf, 0, 0, 3e38], np.float32)])
+    d = np.concatenate([nan_tensor(torch.float64).numpy(),
+                        [1 + 2.0**-24, 1 + 3 * 2.0**-24, 1e-46, 3.5e38, -1e300, 1e39, 0.1, -0.0],
+                        np.linspace(-3, 3, 8)])
+    out = np.zeros((a.size, 8), np.float32)
+    ptr = lambda v: np.uint64(v.ctypes.data)  # noqa: E731
+    module.launch("float_ops", (1, 1, 1), (32, 1, 1), [ptr(a), ptr(b), ptr(d), np.int64(a.size), ptr(out)], 0)
+    with np.errstate(all="ignore"):
+        expected = np.stack([a + b, a - b, a * b, a / b, np.float32(1) / a, np.floor(a), np.rint(a),
+                             d.astype(np.float32)], axis=1)
+    expected_bits = np.where(np.isnan(expected), np.uint32(0x7FFFFFFF), expected.view(np.uint32))
+    assert np.isnan(expected).sum() > 50
+    assert out.view(np.uint32).tolist() == expected_bits.tolist()
 
 
 # ---- checks before launch (no toolchain needed: they fail before anything runs) ----
