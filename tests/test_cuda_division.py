@@ -1,7 +1,7 @@
 """The CUDA division kernels, run on CPU threads by the emulation harness, against the torch specification.
 
-Bit for bit: block means, payload bytes, statistics and decoded tensors (NaN positions must match, NaN bits
-need not; zero statistics compare by value, as in test_cuda_quantize)."""
+Bit for bit: block means, payload bytes, statistics and decoded tensors, NaN encodings included (zero statistics
+compare by value, as in test_cuda_quantize)."""
 import pytest
 import torch
 
@@ -9,6 +9,7 @@ import lightning_act.cuda.division as cuda_division
 from lightning_act.codecs.division import DivisionCodec, division_decode_reference, division_encode_reference
 from lightning_act.cuda.division import division_decode_cuda, division_encode_cuda
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
+from tests.cuda_emulation.nan_payloads import GROUPS, nan_payload_groups
 from tests.test_cuda_quantize import DTYPES, assert_refused_before_launch, assert_same_bits
 
 BITS = [1, 2, 4, 8]
@@ -82,6 +83,16 @@ def _special(case: str) -> torch.Tensor:
 @requires_gxx
 def test_special_values_bit_identical(runner, dtype, case):
     check_encode_and_decode(runner, _special(case).to(dtype), 8, 2)
+
+
+@pytest.mark.parametrize("spatial", [(32,), (4, 8), (2, 4, 4)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_nan_payloads_store_the_same_bits(runner, dtype, spatial):
+    """Planes holding NaNs of every encoding and +-Inf mixes: block means, statistics and decode carry the spec's
+    NaN bits (blocks of 3 put a NaN first in some sums and later in others)."""
+    check_encode_and_decode(runner, nan_payload_groups(dtype, 32).view(GROUPS, *spatial), 3, 2)
 
 
 @pytest.mark.toolchain

@@ -1,8 +1,7 @@
 """The CUDA lorenzo kernels, run on CPU threads by the emulation harness, against the torch specification.
 
-Bit for bit: headers, payload bytes, escape indices and values, decoded tensors (NaN positions must match,
-NaN bits need not, as in test_cuda_quantize). Every block mode (raw, Lorenzo, sparse, all-zero), every dtype,
-escapes of every kind."""
+Bit for bit: headers, payload bytes, escape indices and values, decoded tensors, NaN encodings included. Every
+block mode (raw, Lorenzo, sparse, all-zero), every dtype, escapes of every kind."""
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, L
                                           lorenzo_decode_reference, lorenzo_encode_reference, working_bound)
 from lightning_act.cuda.lorenzo import lorenzo_decode_cuda, lorenzo_encode_cuda
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
+from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups
 from tests.test_cuda_quantize import DTYPES, assert_refused_before_launch, assert_same_bits
 
 
@@ -100,6 +100,18 @@ def _special(case: str, dtype: torch.dtype, error_bound: float) -> torch.Tensor:
 @requires_gxx
 def test_special_values_bit_identical(runner, dtype, case):
     check_encode_and_decode(runner, _special(case, dtype, 1e-2), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_nan_payloads_come_back_bit_for_bit(runner, dtype):
+    """NaNs of every encoding and +-Inf escape: the kernels store and scatter back their raw bits, as the spec."""
+    x = nan_payload_groups(dtype, 32, tail=7)
+    expected = check_encode_and_decode(runner, x, 1e-2)
+    decoded = lorenzo_decode_cuda(expected, x.numel(), 1e-2, dtype, runner=runner)
+    bad = ~x.isfinite()
+    assert torch.equal(decoded.view(INT_VIEW[dtype])[bad], x.view(INT_VIEW[dtype])[bad])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

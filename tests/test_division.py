@@ -1,4 +1,5 @@
-"""DIVISION codec: residual bound per channel, unbiasedness, layouts, sizes, engine use, ResNet-50 ratio."""
+"""DIVISION codec: residual bound per channel, unbiasedness, layouts, sizes, canonical NaN, engine use, ResNet-50
+ratio."""
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import lightning_act as act
 from benchmarks.bench_division import resnet50
 from lightning_act.codecs.division import low_frequency_copy, planes_and_spatial, upsample_nearest
 from lightning_act.stats import COMPRESSED
+from tests.cuda_emulation.nan_payloads import GROUPS, assert_nans_canonical, nan_payload_groups
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(2, 3, 17, 9), (2, 3, 16, 16), (2, 3, 7, 7), (1,), (), (5,), (4, 33), (3, 4, 10), (2, 2, 9, 9, 9),
@@ -158,6 +160,21 @@ def test_bad_options_raise(options, match):
 def test_integer_input_raises():
     with pytest.raises(ValueError, match=r"float32/float16/bfloat16 tensors; got dtype=torch.int64"):
         _codec().encode(torch.arange(10))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_and_decoded_nans_are_canonical(dtype):
+    """Planes holding NaNs of every encoding and +-Inf mixes: block means, statistics and the decode hold only the
+    canonical NaN of their dtype, so CPU, CUDA and the kernels store the same bytes."""
+    x = nan_payload_groups(dtype, 64).view(1, GROUPS, 8, 8)  # one 8 x 8 plane per group
+    codec = _codec(block_size=4, backend="torch")
+    packed = codec.encode(x)
+    for name in ("lfc", "mn", "step"):
+        assert_nans_canonical(packed.buffers[name])
+    y = codec.decode(packed)
+    assert y.dtype == dtype
+    assert_nans_canonical(y)
+    assert torch.isfinite(y[0, -1]).all() and torch.isnan(y[0, 0]).all()  # finite plane kept, NaN plane marked
 
 
 def test_config_builds_division_with_seed():

@@ -11,6 +11,7 @@ import lightning_act as act
 from lightning_act.codecs import lorenzo
 from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, block_sizes, decode_blocks,
                                           encode_blocks, index_dtype, working_bound)
+from tests.cuda_emulation.nan_payloads import nan_payload_groups
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -227,6 +228,17 @@ def test_non_float_input_is_rejected():
     codec = act.codecs.get("lorenzo", error_bound=1e-3)
     with pytest.raises(ValueError, match=r"float32/float16/bfloat16 tensors; got dtype=torch.int64"):
         codec.encode(torch.arange(10))
+
+
+@pytest.mark.parametrize("form, error_bound", [("escape_value", 0.1), ("raw", 1e-12)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_payloads_come_back_bit_for_bit(dtype, form, error_bound):
+    """NaN and +-Inf are stored raw, as escapes or in the raw form: every encoding (signalling, negative,
+    payload bits) comes back."""
+    x = nan_payload_groups(dtype, 32, tail=7)
+    packed, y = round_trip(x, error_bound)
+    assert form in packed.buffers
+    assert_guarantees(x, y, error_bound)
 
 
 def test_engine_with_lorenzo_gives_close_gradients():

@@ -1,4 +1,5 @@
-"""The pure-torch ``quantize`` codec: round trips, error bound, unbiasedness, odd shapes, non-finite values."""
+"""The pure-torch ``quantize`` codec: round trips, error bound, unbiasedness, odd shapes, non-finite values,
+canonical NaN encodings."""
 import math
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 import lightning_act as act
 from lightning_act import rng
+from tests.cuda_emulation.nan_payloads import INT_VIEW, assert_nans_canonical, nan_payload_groups
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 PACKED_BITS = [1, 2, 4, 8]
@@ -127,6 +129,34 @@ def test_codec_options_validated(kwargs, match):
 def test_integer_input_rejected():
     with pytest.raises(ValueError, match=r"float32/float16/bfloat16 tensors; got dtype=torch.int64"):
         act.codecs.get("quantize").encode(torch.arange(10))
+
+
+@pytest.mark.parametrize("stats_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_and_decoded_nans_are_canonical(dtype, stats_dtype):
+    """NaNs of every encoding in, +-Inf mixes (NaN statistics from Inf - Inf): the statistics and the decode
+    hold only the canonical NaN of their dtype, so CPU, CUDA and the kernels store the same bytes."""
+    x = nan_payload_groups(dtype, 32, tail=7)
+    codec = act.codecs.get("quantize", bits=4, group_size=32, stats_dtype=stats_dtype, backend="torch")
+    packed = codec.encode(x)
+    for name in ("mn", "step"):
+        assert_nans_canonical(packed.buffers[name])
+    y = codec.decode(packed)
+    assert_nans_canonical(y)
+    assert torch.isfinite(y[-39:-7]).all() and torch.isnan(y[:32]).all()  # finite group kept, NaN group marked
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_16_bit_form_keeps_raw_16_bit_inputs_and_canonicalises_casts(dtype):
+    x = nan_payload_groups(dtype, 32)
+    codec = act.codecs.get("quantize", bits=16)
+    packed = codec.encode(x)
+    y = codec.decode(packed)
+    if x.element_size() == 2:  # stored as it is: NaN bits and all
+        assert torch.equal(y.view(INT_VIEW[dtype]), x.view(INT_VIEW[dtype]))
+    else:
+        assert_nans_canonical(packed.buffers["raw"])
+        assert_nans_canonical(y)
 
 
 def test_rng_scalar_and_tensor_hash_agree_and_cross_32bit_boundary():

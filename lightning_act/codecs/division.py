@@ -18,7 +18,8 @@ so the residual is quantized per channel of each sample with stochastic rounding
 = row-major index in the tensor), ``min`` rounded down and ``step`` up in bfloat16 (paper: ``(N^2 Q/8 + 4)``
 bytes per channel). Decode: ``x' = (mn + q * step) + upsampled lfc`` in float32, cast to the input dtype,
 so ``|x' - x| <= step`` of the plane (plus the output dtype's rounding) and ``E[x'] = x``. A plane holding
-NaN or +-Inf decodes to NaN.
+NaN or +-Inf decodes to NaN. Every NaN stored (``lfc``, ``mn``, ``step``) or decoded is the canonical NaN of
+its dtype (``quantize.CANONICAL_NAN``), whatever the input's NaN encodings.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from .._validate import check_choice, check_int
 from . import register
 from ._bitpack import PACKABLE_BITS
 from .base import Codec, Packed
-from .quantize import BACKENDS, FLOAT_DTYPES, dequantize_reference, quantize_reference
+from .quantize import BACKENDS, FLOAT_DTYPES, canonical_nan_, dequantize_reference, quantize_reference
 
 MAX_SPATIAL_DIMS = 3
 
@@ -64,7 +65,7 @@ def block_counts(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
 
 def low_frequency_copy(x: torch.Tensor, block: int) -> torch.Tensor:
     """Block means of ``x`` (``planes x spatial``, any float dtype) in bfloat16, partial edge blocks averaged
-    over their elements inside the tensor; the summation order is the kernel's (module docstring)."""
+    over their elements inside the tensor, NaN canonical; the summation order is the kernel's (module docstring)."""
     spatial = tuple(x.shape[1:])
     blocks = block_counts(spatial, block)
     pad = [p for s, n in zip(reversed(spatial), reversed(blocks)) for p in (0, n * block - s)]
@@ -80,7 +81,7 @@ def low_frequency_copy(x: torch.Tensor, block: int) -> torch.Tensor:
         edge = torch.full((n,), float(block), dtype=torch.float32, device=x.device)
         edge[-1] = s - (n - 1) * block
         count = count.unsqueeze(-1) * edge
-    return (t / count).to(torch.bfloat16)
+    return canonical_nan_((t / count).to(torch.bfloat16))
 
 
 def upsample_nearest(lfc: torch.Tensor, spatial: tuple[int, ...], block: int) -> torch.Tensor:
@@ -107,7 +108,7 @@ def division_decode_reference(lfc, payload, mn, step, planes: int, spatial: tupl
     """Torch specification of the decode kernel: ``planes x spatial`` in ``dtype``."""
     plane = math.prod(spatial)
     residual = dequantize_reference(payload, mn, step, planes * plane, bits, plane, torch.float32)
-    return residual.view(planes, *spatial).add_(upsample_nearest(lfc, spatial, block)).to(dtype)
+    return canonical_nan_(residual.view(planes, *spatial).add_(upsample_nearest(lfc, spatial, block)).to(dtype))
 
 
 @register
