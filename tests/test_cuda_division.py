@@ -134,8 +134,8 @@ def test_empty_tensor_launches_nothing():
 @pytest.mark.parametrize("call, match", [
     (lambda r: division_encode_cuda(torch.randn(8, 4).t(), 8, 2, 0, 0, runner=r),
      r"x must be contiguous; got strides \(1, 4\)"),
-    (lambda r: division_encode_cuda(torch.randn(2, 8, dtype=torch.float64), 8, 2, 0, 0, runner=r),
-     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16\); got torch.float64"),
+    (lambda r: division_encode_cuda(torch.ones(2, 8, dtype=torch.int32), 8, 2, 0, 0, runner=r),
+     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16, torch.float64\); got torch.int32"),
     (lambda r: division_encode_cuda(torch.randn(2, 8), 8, 3, 0, 0, runner=r),
      r"bits=3; the CUDA kernels take one of 1, 2, 4, 8"),
     (lambda r: division_encode_cuda(torch.randn(2, 8), 0, 2, 0, 0, runner=r), r"block=0; expected an int >= 1"),

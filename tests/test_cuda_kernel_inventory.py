@@ -1,13 +1,15 @@
 """Every kernel of every ``.cu`` under ``lightning_act/cuda/``, by name: an input whose encode and decode
 launch it, run on the emulator and compared bit for bit with the torch reference (the per-codec files test
-each codec in depth; this one makes sure no kernel goes untested), with NaNs of every encoding in each input. A
-kernel added to a ``.cu`` without an entry in ``KERNEL_INPUTS`` fails ``test_every_kernel_is_listed``."""
+each codec in depth; this one makes sure no kernel goes untested), for every dtype the kernel takes, with NaNs
+of every encoding in each input. A kernel added to a ``.cu`` without an entry in ``KERNEL_INPUTS`` fails
+``test_every_kernel_is_listed``."""
 from pathlib import Path
 
 import pytest
 import torch
 
 import lightning_act.cuda
+from lightning_act.cuda.lorenzo import KERNEL_DTYPES
 from tests import test_cuda_division, test_cuda_lorenzo, test_cuda_quantize
 from tests.cuda_emulation.emulator import EmulatorRunner, kernel_names, requires_gxx
 from tests.cuda_emulation.nan_payloads import nan_payload_groups
@@ -41,6 +43,7 @@ KERNEL_INPUTS = {
     "lorenzo.cu": {"lorenzo_header": _lorenzo_with_escapes, "lorenzo_payload": _lorenzo_with_escapes,
                    "lorenzo_decode": _lorenzo_with_escapes, "lorenzo_scatter": _lorenzo_with_escapes},
 }
+SOURCE_DTYPES = {"quantize.cu": DTYPES, "division.cu": DTYPES, "lorenzo.cu": KERNEL_DTYPES}
 
 
 def test_every_kernel_is_listed():
@@ -49,11 +52,11 @@ def test_every_kernel_is_listed():
            {name: sorted(kernels) for name, kernels in KERNEL_INPUTS.items()}
 
 
-@pytest.mark.parametrize("source, kernel, check", [(source, kernel, check)
-                                                   for source, kernels in KERNEL_INPUTS.items()
-                                                   for kernel, check in kernels.items()],
-                         ids=lambda value: value if isinstance(value, str) else "")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("source, kernel, check, dtype", [(source, kernel, check, dtype)
+                                                          for source, kernels in KERNEL_INPUTS.items()
+                                                          for kernel, check in kernels.items()
+                                                          for dtype in SOURCE_DTYPES[source]],
+                         ids=lambda value: "" if callable(value) else str(value))
 @pytest.mark.toolchain
 @requires_gxx
 def test_kernel_runs_bit_identical_to_the_reference(source, kernel, check, dtype):

@@ -24,7 +24,7 @@ from tests.cuda_emulation.emulator import EmulatedModule, EmulatorRunner, requir
 from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups, nan_tensor
 
 BITS = [1, 2, 4, 8]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 STATS_DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -143,6 +143,31 @@ def test_nan_payloads_store_the_same_bits(runner, dtype, stats_dtype):
     """Groups holding NaNs of every encoding (signalling, quiet, negative, with payload bits), +-Inf mixes whose
     differences are NaN: the statistics the kernel stores and its decode carry the spec's NaN bits."""
     check_encode_and_decode(runner, nan_payload_groups(dtype, 32, tail=7), 4, 32, stats_dtype)
+
+
+def _float64_rounding_cases() -> torch.Tensor:
+    """float64 inputs where rounding to float32 matters: ties and near-ties between float32 neighbours, values
+    that become float32 subnormals or zero, and values beyond float32's range or just inside it."""
+    gen = torch.Generator().manual_seed(7)
+    low = torch.randn(256, generator=gen)
+    high = torch.nextafter(low, torch.full_like(low, float("inf")))
+    mid = (low.double() + high.double()) / 2  # exact in float64: a float32 tie, rounded to the even neighbour
+    limit = float(torch.finfo(torch.float32).max)
+    edges = torch.tensor([limit, limit * (1 + 2**-25), limit * (1 + 2**-24), 1e39, -1e300, 1e-40, 3e-45, 7e-46,
+                          1e-50, 5e-324, -0.0], dtype=torch.float64)
+    return torch.cat([mid, mid + 1e-13 * mid.abs(), mid - 1e-13 * mid.abs(), low.double() * 1e-39,
+                      edges]).roll(5)
+
+
+@pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
+@pytest.mark.parametrize("case", ["ties", "range"])
+@pytest.mark.toolchain
+@requires_gxx
+def test_float64_inputs_are_rounded_to_float32_like_the_reference(runner, case, stats_dtype):
+    x = _float64_rounding_cases()
+    if case == "range":  # one group per magnitude: tiny groups keep their float32 subnormals apart
+        x = x[x.isfinite() & (x.abs() < 1e30)].sort().values
+    check_encode_and_decode(runner, x, 8, 32, stats_dtype)
 
 
 @pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
@@ -341,8 +366,8 @@ def test_shim_float_operations_give_the_gpu_nan():
 @pytest.mark.parametrize("call, match", [
     (lambda r: quantize_cuda(torch.randn(8, 4).t(), 4, 256, torch.float32, 0, 0, runner=r),
      r"x must be contiguous; got strides \(1, 4\)"),
-    (lambda r: quantize_cuda(torch.randn(8, dtype=torch.float64), 4, 256, torch.float32, 0, 0, runner=r),
-     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16\); got torch.float64"),
+    (lambda r: quantize_cuda(torch.arange(8, dtype=torch.int32), 4, 256, torch.float32, 0, 0, runner=r),
+     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16, torch.float64\); got torch.int32"),
     (lambda r: quantize_cuda(torch.randn(8), 16, 256, torch.float32, 0, 0, runner=r),
      r"bits=16; the CUDA kernels take one of 1, 2, 4, 8"),
     (lambda r: quantize_cuda(torch.randn(8), 4, 16384, torch.float32, 0, 0, runner=r),
@@ -363,7 +388,7 @@ def test_shim_float_operations_give_the_gpu_nan():
      r"mn must have 1 elements; got 2"),
     (lambda r: dequantize_cuda(torch.empty(4, dtype=torch.uint8), torch.empty(1), torch.empty(1),
                                8, 4, 256, torch.int32, runner=r),
-     r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16"),
+     r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16, torch.float64$"),
 ])
 def test_bad_arguments_are_refused_before_launch(call, match):
     assert_refused_before_launch(call, match)
@@ -371,9 +396,9 @@ def test_bad_arguments_are_refused_before_launch(call, match):
 
 # ---- backend choice in the codec ----
 
-def _tensor_on(device: str):
-    """Stands in for a tensor: _use_cupy looks only at the device."""
-    return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"))
+def _tensor_on(device: str, dtype: torch.dtype):
+    """Stands in for a tensor: _use_cupy looks only at its device and dtype."""
+    return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"), dtype=dtype)
 
 
 CODECS = {
@@ -384,6 +409,7 @@ CODECS = {
 }
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("backend, device, cupy_importable, expected", [
     ("torch", "cuda:0", True, False),
@@ -392,12 +418,12 @@ CODECS = {
     ("auto", "cuda:0", True, True),
     ("cupy", "cuda:0", True, True),
 ])
-def test_backend_choice(monkeypatch, codec, backend, device, cupy_importable, expected):
+def test_backend_choice(monkeypatch, codec, backend, device, cupy_importable, expected, dtype):
     monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
     monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
-    if codec == "quantize group 16384" and backend == "auto":
-        expected = False  # beyond the kernels' stage: the torch path (also on CUDA)
-    assert CODECS[codec](backend)._use_cupy(_tensor_on(device)) is expected
+    if codec == "quantize group 16384" or (codec == "lorenzo" and dtype == torch.float64):
+        expected = False  # a format the kernels do not take: the torch path (also on CUDA), with either backend
+    assert CODECS[codec](backend)._use_cupy(_tensor_on(device, dtype)) is expected
 
 
 def test_backend_cupy_refuses_cpu_tensors(monkeypatch):

@@ -4,7 +4,8 @@ CUDA kernels in ``lightning_act/cuda/division.cu``.
 
 Layout: a tensor is read as ``planes x spatial``. Its last ``min(3, max(1, ndim - 2))`` dims are spatial
 (1D sequences and linear rows, 2D conv maps, 3D volumes); the leading dims are planes (sample x channel).
-A 0-d or 1-d tensor is one plane.
+A 0-d or 1-d tensor is one plane. Inputs are float32, float16, bfloat16 or float64, each element read as
+float32 (float64 rounded to nearest even, once); the arithmetic below is float32.
 
 Encode, per plane, with ``B = block_size``:
 
@@ -17,9 +18,9 @@ Encode, per plane, with ``B = block_size``:
 so the residual is quantized per channel of each sample with stochastic rounding from ``rng`` (element index
 = row-major index in the tensor), ``min`` rounded down and ``step`` up in bfloat16 (paper: ``(N^2 Q/8 + 4)``
 bytes per channel). Decode: ``x' = (mn + q * step) + upsampled lfc`` in float32, cast to the input dtype,
-so ``|x' - x| <= step`` of the plane (plus the output dtype's rounding) and ``E[x'] = x``. A plane holding
-NaN or +-Inf decodes to NaN. Every NaN stored (``lfc``, ``mn``, ``step``) or decoded is the canonical NaN of
-its dtype (``quantize.CANONICAL_NAN``), whatever the input's NaN encodings.
+so ``|x' - x| <= step`` of the plane (plus the output dtype's rounding, or float32's of a float64 input) and
+``E[x'] = x``. A plane holding NaN or +-Inf decodes to NaN. Every NaN stored (``lfc``, ``mn``, ``step``) or
+decoded is the canonical NaN of its dtype (``quantize.CANONICAL_NAN``), whatever the input's NaN encodings.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from .._validate import check_choice, check_int
 from . import register
 from ._bitpack import PACKABLE_BITS
 from .base import Codec, Packed
-from .quantize import BACKENDS, FLOAT_DTYPES, canonical_nan_, dequantize_reference, quantize_reference
+from .quantize import BACKENDS, canonical_nan_, check_float_input, dequantize_reference, quantize_reference
 
 MAX_SPATIAL_DIMS = 3
 
@@ -129,8 +130,7 @@ class DivisionCodec(Codec):
             require_cupy()
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
-        if x.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"division codec takes float32/float16/bfloat16 tensors; got dtype={x.dtype}")
+        check_float_input(self.name, x)
         planes, spatial = planes_and_spatial(saved_layout(x))
         meta = {"planes": planes, "spatial": spatial, "block_size": self.block_size, "bits": self.bits}
         if x.numel() == 0:

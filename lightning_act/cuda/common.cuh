@@ -18,9 +18,11 @@
 #define DTYPE_FLOAT32 0
 #define DTYPE_FLOAT16 1
 #define DTYPE_BFLOAT16 2
+#define DTYPE_FLOAT64 3
 #define CANONICAL_NAN_F32 0x7fc00000u
 #define CANONICAL_NAN_F16 0x7e00u
 #define CANONICAL_NAN_BF16 0x7fc0u
+#define CANONICAL_NAN_F64 0x7ff8000000000000ll
 #define TWO_POW_MINUS_24 5.9604644775390625e-08f
 
 // ---- counter-based RNG (rng.py) ----
@@ -88,15 +90,19 @@ __device__ __forceinline__ unsigned short float_to_half(float f) {
     return (unsigned short)(sign | (kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u)));
 }
 
+// element i as float32: float64 rounded to nearest even (torch's .float()), the others exactly
 __device__ __forceinline__ float load_float(const void* p, long long i, int dtype) {
     if (dtype == DTYPE_FLOAT32) return ((const float*)p)[i];
+    if (dtype == DTYPE_FLOAT64) return __double2float_rn(((const double*)p)[i]);
     const unsigned short h = ((const unsigned short*)p)[i];
     return dtype == DTYPE_FLOAT16 ? half_to_float(h) : bf16_to_float(h);
 }
 
-// v rounded into element i's dtype, NaN as the canonical NaN of that dtype
+// v rounded into element i's dtype (float64: exact), NaN as the canonical NaN of that dtype
 __device__ __forceinline__ void store_float(void* p, long long i, int dtype, float v) {
-    if (dtype == DTYPE_FLOAT32) ((unsigned int*)p)[i] = v != v ? CANONICAL_NAN_F32 : __float_as_uint(v);
+    const bool nan = v != v;
+    if (dtype == DTYPE_FLOAT32) ((unsigned int*)p)[i] = nan ? CANONICAL_NAN_F32 : __float_as_uint(v);
+    else if (dtype == DTYPE_FLOAT64) ((double*)p)[i] = nan ? __longlong_as_double(CANONICAL_NAN_F64) : (double)v;
     else ((unsigned short*)p)[i] = dtype == DTYPE_FLOAT16 ? float_to_half(v) : float_to_bf16(v);
 }
 
