@@ -1,7 +1,7 @@
 """The CUDA division kernels, run on CPU threads by the emulation harness, against the torch specification.
 
-Bit for bit: block means, payload bytes, statistics and decoded tensors (NaN positions must match, NaN bits
-need not; zero statistics compare by value, as in test_cuda_quantize)."""
+Bit for bit: block means, payload bytes, statistics and decoded tensors, NaN encodings included (zero statistics
+compare by value, as in test_cuda_quantize)."""
 import pytest
 import torch
 
@@ -9,6 +9,7 @@ import lightning_act.cuda.division as cuda_division
 from lightning_act.codecs.division import DivisionCodec, division_decode_reference, division_encode_reference
 from lightning_act.cuda.division import division_decode_cuda, division_encode_cuda
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
+from tests.cuda_emulation.nan_payloads import GROUPS, nan_payload_groups
 from tests.test_cuda_quantize import DTYPES, assert_refused_before_launch, assert_same_bits
 
 BITS = [1, 2, 4, 8]
@@ -84,6 +85,16 @@ def test_special_values_bit_identical(runner, dtype, case):
     check_encode_and_decode(runner, _special(case).to(dtype), 8, 2)
 
 
+@pytest.mark.parametrize("spatial", [(32,), (4, 8), (2, 4, 4)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_nan_payloads_store_the_same_bits(runner, dtype, spatial):
+    """Planes holding NaNs of every encoding and +-Inf mixes: block means, statistics and decode carry the spec's
+    NaN bits (blocks of 3 put a NaN first in some sums and later in others)."""
+    check_encode_and_decode(runner, nan_payload_groups(dtype, 32).view(GROUPS, *spatial), 3, 2)
+
+
 @pytest.mark.toolchain
 @requires_gxx
 def test_grid_stride_loops_cover_work_beyond_the_grid(runner, monkeypatch):
@@ -123,8 +134,8 @@ def test_empty_tensor_launches_nothing():
 @pytest.mark.parametrize("call, match", [
     (lambda r: division_encode_cuda(torch.randn(8, 4).t(), 8, 2, 0, 0, runner=r),
      r"x must be contiguous; got strides \(1, 4\)"),
-    (lambda r: division_encode_cuda(torch.randn(2, 8, dtype=torch.float64), 8, 2, 0, 0, runner=r),
-     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16\); got torch.float64"),
+    (lambda r: division_encode_cuda(torch.ones(2, 8, dtype=torch.int32), 8, 2, 0, 0, runner=r),
+     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16, torch.float64\); got torch.int32"),
     (lambda r: division_encode_cuda(torch.randn(2, 8), 8, 3, 0, 0, runner=r),
      r"bits=3; the CUDA kernels take one of 1, 2, 4, 8"),
     (lambda r: division_encode_cuda(torch.randn(2, 8), 0, 2, 0, 0, runner=r), r"block=0; expected an int >= 1"),

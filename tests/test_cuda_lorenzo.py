@@ -1,18 +1,22 @@
 """The CUDA lorenzo kernels, run on CPU threads by the emulation harness, against the torch specification.
 
-Bit for bit: headers, payload bytes, escape indices and values, decoded tensors (NaN positions must match,
-NaN bits need not, as in test_cuda_quantize). Every block mode (raw, Lorenzo, sparse, all-zero), every dtype,
+Bit for bit: headers, payload bytes, escape indices and values, decoded tensors, NaN encodings included. Every
+block mode (raw, Lorenzo, sparse, all-zero), every dtype the kernels take (float64 runs the torch path),
 escapes of every kind."""
 import pytest
 import torch
 
 import lightning_act.codecs.lorenzo as spec
+import lightning_act.cuda as cuda_pkg
 import lightning_act.cuda.lorenzo as cuda_lorenzo
 from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, LorenzoCodec, block_sizes,
                                           lorenzo_decode_reference, lorenzo_encode_reference, working_bound)
-from lightning_act.cuda.lorenzo import lorenzo_decode_cuda, lorenzo_encode_cuda
+from lightning_act.cuda.lorenzo import KERNEL_DTYPES, lorenzo_decode_cuda, lorenzo_encode_cuda
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
-from tests.test_cuda_quantize import DTYPES, assert_refused_before_launch, assert_same_bits
+from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups
+from tests.test_cuda_quantize import assert_refused_before_launch, assert_same_bits
+
+DTYPES = list(KERNEL_DTYPES)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +109,18 @@ def test_special_values_bit_identical(runner, dtype, case):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.toolchain
 @requires_gxx
+def test_nan_payloads_come_back_bit_for_bit(runner, dtype):
+    """NaNs of every encoding and +-Inf escape: the kernels store and scatter back their raw bits, as the spec."""
+    x = nan_payload_groups(dtype, 32, tail=7)
+    expected = check_encode_and_decode(runner, x, 1e-2)
+    decoded = lorenzo_decode_cuda(expected, x.numel(), 1e-2, dtype, runner=runner)
+    bad = ~x.isfinite()
+    assert torch.equal(decoded.view(INT_VIEW[dtype])[bad], x.view(INT_VIEW[dtype])[bad])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
 def test_bound_beyond_float32_range_is_capped_alike(runner, dtype):
     x = _special("non_finite", torch.float32, 1e-2) * 1e37
     check_encode_and_decode(runner, x.to(dtype), 1e39)
@@ -161,6 +177,33 @@ def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, monkeypatch, ki
     for name, buffer in torch_packed.buffers.items():
         assert_same_bits(kernel_packed.buffers[name], buffer)
     assert_same_bits(torch_codec.decode(kernel_packed), torch_codec.decode(torch_packed))
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+@pytest.mark.toolchain
+@requires_gxx
+def test_codec_runs_the_kernels_for_their_dtypes_and_torch_for_float64(runner, monkeypatch, dtype):
+    """Encode and decode ask for the kernels with the tensor's dtype: float64 takes the torch path (as if on a
+    CUDA tensor with CuPy, whatever the backend: ``use_cupy_kernels`` is told the format is unsupported)."""
+    asked = []
+
+    def use_cupy_kernels(backend, t, supported=True):
+        asked.append(supported)
+        return supported
+
+    monkeypatch.setattr(cuda_pkg, "use_cupy_kernels", use_cupy_kernels)
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
+    monkeypatch.setattr(cuda_lorenzo, "default_runner", lambda: runner)
+    runner.launches.clear()
+    x = _data("mixed", 500).to(dtype)
+    codec = LorenzoCodec(error_bound=1e-3, backend="cupy")
+    decoded = codec.decode(codec.encode(x))
+    kernels = dtype != torch.float64
+    assert asked == [kernels, kernels]
+    assert {launch[0] for launch in runner.launches} == ({"lorenzo.cu"} if kernels else set())
+    monkeypatch.undo()
+    torch_codec = LorenzoCodec(error_bound=1e-3, backend="torch")
+    assert_same_bits(decoded, torch_codec.decode(torch_codec.encode(x)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

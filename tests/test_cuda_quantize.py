@@ -1,10 +1,10 @@
 """The CUDA quantize kernels, run on CPU threads by the emulation harness, against the torch specification.
 
-Every comparison is bit for bit: payload bytes, statistics and decoded tensors viewed as integers, with two
-exceptions the specification itself leaves open. NaN payload bits are not portable (x86 propagates an operand's
-NaN, a GPU returns 0x7fffffff, torch's own bf16 cast gives 0x7fc0 or 0xffff depending on the code path): NaN
-positions must match, their bits need not. The sign of a zero minimum/maximum of a group holding both +0 and -0
-depends on torch's reduction order (it is not a rule): zero statistics compare by value.
+Every comparison is bit for bit: payload bytes, statistics and decoded tensors viewed as integers, NaN
+encodings included (the specification stores one canonical NaN per dtype, and the emulator returns a GPU's NaN
+bits, not x86's), with one exception the specification leaves open: the sign of a zero minimum/maximum of a
+group holding both +0 and -0 depends on torch's reduction order (it is not a rule), so zero statistics compare
+by value.
 """
 import types
 from pathlib import Path
@@ -21,11 +21,11 @@ from lightning_act.codecs.quantize import QuantizeCodec, dequantize_reference, q
 from lightning_act.cuda.launcher import CupyRunner, NVRTC_OPTIONS, kernel_source
 from lightning_act.cuda.quantize import dequantize_cuda, quantize_cuda
 from tests.cuda_emulation.emulator import EmulatedModule, EmulatorRunner, requires_gxx
+from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups, nan_tensor
 
 BITS = [1, 2, 4, 8]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 STATS_DTYPES = [torch.float32, torch.bfloat16]
-INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +38,10 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, zero_sign_fre
     if not actual.is_floating_point():
         assert torch.equal(actual, expected)
         return
-    loose = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), loose), "NaN positions differ"
+    loose = torch.zeros_like(expected, dtype=torch.bool)
     if zero_sign_free:
         assert torch.equal(actual == 0, expected == 0), "zero positions differ"
-        loose |= expected == 0
+        loose = expected == 0
     a, e = actual.view(INT_VIEW[actual.dtype]), expected.view(INT_VIEW[expected.dtype])
     assert torch.equal(a[~loose], e[~loose]), f"{int((a != e)[~loose].sum())} elements differ in their bits"
 
@@ -140,9 +139,45 @@ def test_every_16_bit_pattern_is_read_exactly(runner, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.toolchain
 @requires_gxx
+def test_nan_payloads_store_the_same_bits(runner, dtype, stats_dtype):
+    """Groups holding NaNs of every encoding (signalling, quiet, negative, with payload bits), +-Inf mixes whose
+    differences are NaN: the statistics the kernel stores and its decode carry the spec's NaN bits."""
+    check_encode_and_decode(runner, nan_payload_groups(dtype, 32, tail=7), 4, 32, stats_dtype)
+
+
+def _float64_rounding_cases() -> torch.Tensor:
+    """float64 inputs where rounding to float32 matters: ties and near-ties between float32 neighbours, values
+    that become float32 subnormals or zero, and values beyond float32's range or just inside it."""
+    gen = torch.Generator().manual_seed(7)
+    low = torch.randn(256, generator=gen)
+    high = torch.nextafter(low, torch.full_like(low, float("inf")))
+    mid = (low.double() + high.double()) / 2  # exact in float64: a float32 tie, rounded to the even neighbour
+    limit = float(torch.finfo(torch.float32).max)
+    edges = torch.tensor([limit, limit * (1 + 2**-25), limit * (1 + 2**-24), 1e39, -1e300, 1e-40, 3e-45, 7e-46,
+                          1e-50, 5e-324, -0.0], dtype=torch.float64)
+    return torch.cat([mid, mid + 1e-13 * mid.abs(), mid - 1e-13 * mid.abs(), low.double() * 1e-39,
+                      edges]).roll(5)
+
+
+@pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
+@pytest.mark.parametrize("case", ["ties", "range"])
+@pytest.mark.toolchain
+@requires_gxx
+def test_float64_inputs_are_rounded_to_float32_like_the_reference(runner, case, stats_dtype):
+    x = _float64_rounding_cases()
+    if case == "range":  # one group per magnitude: tiny groups keep their float32 subnormals apart
+        x = x[x.isfinite() & (x.abs() < 1e30)].sort().values
+    check_encode_and_decode(runner, x, 8, 32, stats_dtype)
+
+
+@pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
 def test_decode_of_arbitrary_statistics(runner, dtype, stats_dtype):
-    """Random bit patterns as mn and step (any float, NaN and inf included) and edge values of the float16
-    rounding: the kernel's float32 -> output dtype rounding must agree with torch's everywhere."""
+    """Random bit patterns as mn and step (any float, NaN and inf included), edge values of the float16
+    rounding and NaNs of every encoding: the kernel's float32 -> output dtype rounding and its NaN results must
+    agree with torch's everywhere."""
     gen = torch.Generator().manual_seed(5)
     groups, group_size, bits = 512, 32, 2
     edges = torch.tensor([65504.0, 65519.996, 65520.0, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-14,
@@ -153,6 +188,7 @@ def test_decode_of_arbitrary_statistics(runner, dtype, stats_dtype):
     step = torch.rand(groups, generator=gen) * 10.0 ** torch.randint(-45, 30, (groups,), generator=gen)
     step[: len(edges)] = 0.0  # decode to exactly mn
     mn, step = mn.to(stats_dtype), step.to(stats_dtype)
+    mn[100:108], step[108:116] = nan_tensor(stats_dtype), nan_tensor(stats_dtype)
     numel = groups * group_size - 5
     payload = torch.randint(0, 256, ((numel * bits + 7) // 8,), generator=gen, dtype=torch.uint8)
     args = (payload, mn, step, numel, bits, group_size, dtype)
@@ -300,13 +336,38 @@ def test_shim_primitives_match_numpy():
     assert lane0.tolist() == np.repeat(padded[::32], 32).tolist()
 
 
+@pytest.mark.toolchain
+@requires_gxx
+def test_shim_float_operations_give_the_gpu_nan():
+    """NaN results of the emulated operations are 0x7fffffff, a GPU's canonical NaN, whatever NaN went in (x86
+    would keep an operand's payload and sign); other results are the IEEE ones."""
+    module = EmulatedModule(Path(__file__).parent / "cuda_emulation" / "selftest.cu")
+    nans = nan_tensor(torch.float32).numpy()
+    other = np.array([1.5, -2.5, 0.5, -0.0, 3e38, 1e-45, np.inf, 0.0], np.float32)
+    # then inf - inf, 0 / 0, 0 * inf, ...: NaN from operands that are not NaN (x86 gives 0xffc00000)
+    a = np.concatenate([nans, other, np.array([np.inf, 0, np.inf, 0, -np.inf, 1.5, 1e-45, 3e38], np.float32)])
+    b = np.concatenate([other, nans, np.array([np.inf, 0, -np.inf, np.inf, -np.inf, 0, 0, 3e38], np.float32)])
+    d = np.concatenate([nan_tensor(torch.float64).numpy(),
+                        [1 + 2.0**-24, 1 + 3 * 2.0**-24, 1e-46, 3.5e38, -1e300, 1e39, 0.1, -0.0],
+                        np.linspace(-3, 3, 8)])
+    out = np.zeros((a.size, 8), np.float32)
+    ptr = lambda v: np.uint64(v.ctypes.data)  # noqa: E731
+    module.launch("float_ops", (1, 1, 1), (32, 1, 1), [ptr(a), ptr(b), ptr(d), np.int64(a.size), ptr(out)], 0)
+    with np.errstate(all="ignore"):
+        expected = np.stack([a + b, a - b, a * b, a / b, np.float32(1) / a, np.floor(a), np.rint(a),
+                             d.astype(np.float32)], axis=1)
+    expected_bits = np.where(np.isnan(expected), np.uint32(0x7FFFFFFF), expected.view(np.uint32))
+    assert np.isnan(expected).sum() > 50
+    assert out.view(np.uint32).tolist() == expected_bits.tolist()
+
+
 # ---- checks before launch (no toolchain needed: they fail before anything runs) ----
 
 @pytest.mark.parametrize("call, match", [
     (lambda r: quantize_cuda(torch.randn(8, 4).t(), 4, 256, torch.float32, 0, 0, runner=r),
      r"x must be contiguous; got strides \(1, 4\)"),
-    (lambda r: quantize_cuda(torch.randn(8, dtype=torch.float64), 4, 256, torch.float32, 0, 0, runner=r),
-     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16\); got torch.float64"),
+    (lambda r: quantize_cuda(torch.arange(8, dtype=torch.int32), 4, 256, torch.float32, 0, 0, runner=r),
+     r"x must have dtype in \(torch.float32, torch.float16, torch.bfloat16, torch.float64\); got torch.int32"),
     (lambda r: quantize_cuda(torch.randn(8), 16, 256, torch.float32, 0, 0, runner=r),
      r"bits=16; the CUDA kernels take one of 1, 2, 4, 8"),
     (lambda r: quantize_cuda(torch.randn(8), 4, 16384, torch.float32, 0, 0, runner=r),
@@ -327,7 +388,7 @@ def test_shim_primitives_match_numpy():
      r"mn must have 1 elements; got 2"),
     (lambda r: dequantize_cuda(torch.empty(4, dtype=torch.uint8), torch.empty(1), torch.empty(1),
                                8, 4, 256, torch.int32, runner=r),
-     r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16"),
+     r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16, torch.float64$"),
 ])
 def test_bad_arguments_are_refused_before_launch(call, match):
     assert_refused_before_launch(call, match)
@@ -335,9 +396,9 @@ def test_bad_arguments_are_refused_before_launch(call, match):
 
 # ---- backend choice in the codec ----
 
-def _tensor_on(device: str):
-    """Stands in for a tensor: _use_cupy looks only at the device."""
-    return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"))
+def _tensor_on(device: str, dtype: torch.dtype):
+    """Stands in for a tensor: _use_cupy looks only at its device and dtype."""
+    return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"), dtype=dtype)
 
 
 CODECS = {
@@ -348,6 +409,7 @@ CODECS = {
 }
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("backend, device, cupy_importable, expected", [
     ("torch", "cuda:0", True, False),
@@ -356,12 +418,12 @@ CODECS = {
     ("auto", "cuda:0", True, True),
     ("cupy", "cuda:0", True, True),
 ])
-def test_backend_choice(monkeypatch, codec, backend, device, cupy_importable, expected):
+def test_backend_choice(monkeypatch, codec, backend, device, cupy_importable, expected, dtype):
     monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
     monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
-    if codec == "quantize group 16384" and backend == "auto":
-        expected = False  # beyond the kernels' stage: the torch path (also on CUDA)
-    assert CODECS[codec](backend)._use_cupy(_tensor_on(device)) is expected
+    if codec == "quantize group 16384" or (codec == "lorenzo" and dtype == torch.float64):
+        expected = False  # a format the kernels do not take: the torch path (also on CUDA), with either backend
+    assert CODECS[codec](backend)._use_cupy(_tensor_on(device, dtype)) is expected
 
 
 def test_backend_cupy_refuses_cpu_tensors(monkeypatch):

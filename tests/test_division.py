@@ -1,4 +1,5 @@
-"""DIVISION codec: residual bound per channel, unbiasedness, layouts, sizes, engine use, ResNet-50 ratio."""
+"""DIVISION codec: residual bound per channel, unbiasedness, layouts, sizes, canonical NaN, engine use, ResNet-50
+ratio."""
 import math
 
 import pytest
@@ -10,8 +11,9 @@ import lightning_act as act
 from benchmarks.bench_division import resnet50
 from lightning_act.codecs.division import low_frequency_copy, planes_and_spatial, upsample_nearest
 from lightning_act.stats import COMPRESSED
+from tests.cuda_emulation.nan_payloads import GROUPS, assert_nans_canonical, nan_payload_groups
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 SHAPES = [(2, 3, 17, 9), (2, 3, 16, 16), (2, 3, 7, 7), (1,), (), (5,), (4, 33), (3, 4, 10), (2, 2, 9, 9, 9),
           (2, 1, 2, 3, 5, 6)]
 
@@ -28,15 +30,17 @@ def _plane_steps(packed):
 
 
 def _within_one_step(x, y, packed):
-    # one quantization step of the plane, plus the output dtype's rounding of the reconstruction
-    tol = _plane_steps(packed) * (1 + 1e-5) + y.float().abs() * torch.finfo(x.dtype).eps
-    return bool(((y.float() - x.float()).abs() <= tol).all())
+    # one quantization step of the plane, plus the output dtype's rounding of the reconstruction (float32's for a
+    # float64 input, which is computed with in float32)
+    eps = torch.finfo(torch.float32 if x.dtype == torch.float64 else x.dtype).eps
+    tol = _plane_steps(packed) * (1 + 1e-5) + y.float().abs() * eps
+    return bool(((y.double() - x.double()).abs() <= tol).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_round_trip_error_is_within_one_step_per_channel(shape, dtype):
-    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    x = (torch.randn(shape, dtype=torch.float64) * 3 + 1).to(dtype)  # float64 inputs off the float32 grid
     codec = _codec()
     packed = codec.encode(x, key=7)
     y = codec.decode(packed)
@@ -156,8 +160,24 @@ def test_bad_options_raise(options, match):
 
 
 def test_integer_input_raises():
-    with pytest.raises(ValueError, match=r"float32/float16/bfloat16 tensors; got dtype=torch.int64"):
+    with pytest.raises(ValueError, match=r"division codec takes float32/float16/bfloat16/float64 tensors; "
+                                         r"got dtype=torch.int64"):
         _codec().encode(torch.arange(10))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_and_decoded_nans_are_canonical(dtype):
+    """Planes holding NaNs of every encoding and +-Inf mixes: block means, statistics and the decode hold only the
+    canonical NaN of their dtype, so CPU, CUDA and the kernels store the same bytes."""
+    x = nan_payload_groups(dtype, 64).view(1, GROUPS, 8, 8)  # one 8 x 8 plane per group
+    codec = _codec(block_size=4, backend="torch")
+    packed = codec.encode(x)
+    for name in ("lfc", "mn", "step"):
+        assert_nans_canonical(packed.buffers[name])
+    y = codec.decode(packed)
+    assert y.dtype == dtype
+    assert_nans_canonical(y)
+    assert torch.isfinite(y[0, -1]).all() and torch.isnan(y[0, 0]).all()  # finite plane kept, NaN plane marked
 
 
 def test_config_builds_division_with_seed():
@@ -166,12 +186,13 @@ def test_config_builds_division_with_seed():
     assert (codec.name, codec.block_size, codec.bits, codec.seed) == ("division", 8, 2, 5)
 
 
-def test_engine_keeps_the_conv_layout_and_trains():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_engine_keeps_the_conv_layout_and_trains(dtype):
     torch.manual_seed(0)
     # no bias before BN: its exact gradient is zero, so no cosine to compare
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.Conv2d(8, 4, 3, padding=1))
-    x = torch.randn(4, 3, 32, 32)
+                          nn.Conv2d(8, 4, 3, padding=1)).to(dtype)
+    x = torch.randn(4, 3, 32, 32, dtype=dtype)
     model(x).square().mean().backward()
     exact = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

@@ -1,5 +1,6 @@
 """The ``lorenzo`` codec: strict error bound, zero preservation, non-finite values, exact sizes, block modes."""
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -11,19 +12,24 @@ import lightning_act as act
 from lightning_act.codecs import lorenzo
 from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, block_sizes, decode_blocks,
                                           encode_blocks, index_dtype, working_bound)
+from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def assert_guarantees(x: torch.Tensor, y: torch.Tensor, error_bound: float) -> None:
-    """Bound on every finite element (exact, in float64), zeros preserved, non-finite values bit for bit."""
+    """Bound on every finite element (exact), zeros preserved, non-finite values bit for bit."""
     assert (y.shape, y.dtype, y.device) == (x.shape, x.dtype, x.device)
     xd, yd = x.double().reshape(-1), y.double().reshape(-1)
     finite = torch.isfinite(xd)
     err = (xd - yd).abs()[finite]
     assert torch.all(err <= error_bound), f"max error {err.max().item()!r} > {error_bound!r}"
-    small = finite & (xd.abs() <= error_bound)
+    # the float64 difference is rounded: the errors closest to the bound are checked in exact arithmetic
+    near = err >= error_bound * (1 - 2.0**-40)
+    for a, b in zip(xd[finite][near].tolist(), yd[finite][near].tolist()):
+        assert abs(Fraction(a) - Fraction(b)) <= Fraction(error_bound), f"|{a!r} - {b!r}| > {error_bound!r}"
+    # |x| <= eb, the largest float32 <= the bound: for 16/32-bit inputs, every |x| <= error_bound
+    small = finite & (xd.abs() <= working_bound(error_bound)[0])
     assert torch.all(yd[small] == 0), "a value within the bound did not decode to 0"
     bits_x = x.reshape(-1).view(INT_VIEW[x.dtype])
     bits_y = y.reshape(-1).view(INT_VIEW[x.dtype])
@@ -58,19 +64,20 @@ def tensors(draw):
     gen = torch.Generator().manual_seed(seed)
     kind = draw(st.sampled_from(["normal", "relu", "smooth", "constant", "adversarial", "mixed"]))
     scale = 10 ** draw(st.floats(-7, 4))
+    base = torch.float64 if dtype == torch.float64 else torch.float32  # float64 values off the float32 grid
     if kind == "normal":
-        x = torch.randn(numel, generator=gen) * scale
+        x = torch.randn(numel, generator=gen, dtype=base) * scale
     elif kind == "relu":
-        x = torch.relu(torch.randn(numel, generator=gen)) * scale
+        x = torch.relu(torch.randn(numel, generator=gen, dtype=base)) * scale
     elif kind == "smooth":
-        x = torch.cumsum(torch.randn(numel, generator=gen) * error_bound, 0) * scale
+        x = torch.cumsum(torch.randn(numel, generator=gen, dtype=base) * error_bound, 0) * scale
     elif kind == "constant":
-        x = torch.full((numel,), draw(st.floats(-1e6, 1e6)))
+        x = torch.full((numel,), draw(st.floats(-1e6, 1e6)), dtype=base)
     elif kind == "adversarial":
-        x = adversarial_values(error_bound, torch.float32, numel // 4 + 1, seed)[:numel].float()
+        x = adversarial_values(error_bound, torch.float32, numel // 4 + 1, seed)[:numel].to(base)
     else:
-        x = torch.randn(numel, generator=gen) * scale
-        special = adversarial_values(error_bound, torch.float32, 4, seed)
+        x = torch.randn(numel, generator=gen, dtype=base) * scale
+        special = adversarial_values(error_bound, torch.float32, 4, seed).to(base)
         positions = torch.randint(0, max(numel, 1), (special.numel(),), generator=gen)
         if numel:
             x[positions] = special
@@ -195,7 +202,7 @@ def test_working_bound_is_the_largest_float32_not_above_the_bound():
         assert step == 2 * eb and inv == float(np.float32(1) / np.float32(step))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_huge_bounds_keep_a_finite_grid(dtype):
     """A bound near float32's max would overflow the step 2 * eb: it is capped, every guarantee still holds."""
     eb, step, _ = working_bound(1e300)
@@ -225,14 +232,57 @@ def test_invalid_error_bound(bad):
 
 def test_non_float_input_is_rejected():
     codec = act.codecs.get("lorenzo", error_bound=1e-3)
-    with pytest.raises(ValueError, match=r"float32/float16/bfloat16 tensors; got dtype=torch.int64"):
+    with pytest.raises(ValueError, match=r"lorenzo codec takes float32/float16/bfloat16/float64 tensors; "
+                                         r"got dtype=torch.int64"):
         codec.encode(torch.arange(10))
 
 
-def test_engine_with_lorenzo_gives_close_gradients():
+def float64_adversarial(error_bound: float, seed: int) -> torch.Tensor:
+    """float64 values whose float32 rounding would pass a check that x itself fails: just beyond the bound and
+    beyond grid midpoints by less than float32's resolution; tiny and huge magnitudes (float64 subnormals, past
+    float32's range), random magnitudes over float64's range, signed zeros and non-finite values."""
+    eb, step, _ = working_bound(error_bound)
+    gen = np.random.default_rng(seed)
+    nudge = np.arange(-3, 4) * 2.0**-45
+    k = gen.integers(-5000, 5000, 200).astype(np.float64)
+    midpoints = ((k + 0.5) * step)[:, None] * (1 + np.arange(-3, 4) * 2.0**-40)
+    limit = float(np.finfo(np.float32).max)
+    special = [5e-324, -5e-324, 1e-300, 1e-46, 1e300, -1e300, limit * (1 + 2.0**-30), -limit * (1 - 2.0**-30),
+               3.4028235677973366e38, 1e39, 0.0, -0.0, np.nan, np.inf, -np.inf]
+    magnitudes = gen.standard_normal(400) * 10.0 ** gen.uniform(-320, 308, 400)
+    values = np.concatenate([eb * (1 + nudge), -eb * (1 + nudge), midpoints.ravel(), special, magnitudes])
+    return torch.from_numpy(values[gen.permutation(values.size)])
+
+
+@pytest.mark.parametrize("error_bound", [1e-6, 1e-2, 0.3, 1e30])
+def test_float64_bound_holds_for_x_itself(error_bound):
+    """The checks of a float64 input are float64: a value just above the bound that float32 rounds onto it must
+    not decode to 0, a value a float32-rounded check would pass must escape or take the other code."""
+    x = float64_adversarial(error_bound, seed=11)
+    packed, y = round_trip(x, error_bound)
+    assert_guarantees(x, y, error_bound)
+    eb = working_bound(error_bound)[0]
+    beyond = (x.abs() > eb) & (x.float().abs() <= eb)
+    assert beyond.sum() >= 6 and (y[beyond] != 0).all()
+    assert all(b.dtype != torch.float32 for b in packed.buffers.values())
+
+
+@pytest.mark.parametrize("form, error_bound", [("escape_value", 0.1), ("raw", 1e-12)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_payloads_come_back_bit_for_bit(dtype, form, error_bound):
+    """NaN and +-Inf are stored raw, as escapes or in the raw form: every encoding (signalling, negative,
+    payload bits) comes back."""
+    x = nan_payload_groups(dtype, 32, tail=7)
+    packed, y = round_trip(x, error_bound)
+    assert form in packed.buffers
+    assert_guarantees(x, y, error_bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_engine_with_lorenzo_gives_close_gradients(dtype):
     torch.manual_seed(4)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    x = torch.randn(256, 64)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).to(dtype)
+    x = torch.randn(256, 64, dtype=dtype)
     model(x).square().mean().backward()
     reference = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

@@ -1,4 +1,5 @@
-"""The pure-torch ``quantize`` codec: round trips, error bound, unbiasedness, odd shapes, non-finite values."""
+"""The pure-torch ``quantize`` codec: round trips, error bound, unbiasedness, odd shapes, non-finite values,
+canonical NaN encodings."""
 import math
 
 import pytest
@@ -6,8 +7,9 @@ import torch
 
 import lightning_act as act
 from lightning_act import rng
+from tests.cuda_emulation.nan_payloads import INT_VIEW, assert_nans_canonical, nan_payload_groups
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 PACKED_BITS = [1, 2, 4, 8]
 
 
@@ -16,8 +18,10 @@ def _per_element(stat: torch.Tensor, group: int, n: int) -> torch.Tensor:
 
 
 def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Spacing of ``dtype`` at |x| (rounding the float32 decode into the output dtype costs half of it)."""
-    return torch.finfo(dtype).eps * x.abs().clamp_min(torch.finfo(dtype).tiny)
+    """Spacing at |x| of ``dtype``, or of float32 for float64 (rounding the float32 decode into the output dtype,
+    or a float64 input into float32, costs half of it)."""
+    finfo = torch.finfo(torch.float32 if dtype == torch.float64 else dtype)
+    return finfo.eps * x.abs().clamp_min(finfo.tiny)
 
 
 @pytest.mark.parametrize("bits", PACKED_BITS)
@@ -26,7 +30,7 @@ def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(0,), (1,), (7, 37), (3, 256), (2, 3, 300)])
 def test_round_trip_error_is_at_most_one_step(bits, dtype, stats_dtype, shape):
     torch.manual_seed(0)
-    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    x = (torch.randn(shape, dtype=torch.float64) * 3 + 1).to(dtype)  # float64 inputs off the float32 grid
     codec = act.codecs.get("quantize", bits=bits, stats_dtype=stats_dtype)
     packed = codec.encode(x, key=7)
     y = codec.decode(packed)
@@ -37,7 +41,7 @@ def test_round_trip_error_is_at_most_one_step(bits, dtype, stats_dtype, shape):
     assert packed.nbytes == expected_bytes
     if n:
         step = _per_element(packed.buffers["step"], 256, n)
-        err = (y.float() - x.float()).abs().reshape(-1)
+        err = (y.double() - x.double()).abs().reshape(-1)
         bound = step * (1 + 1e-5) + _ulp(y.float().reshape(-1), dtype)
         assert torch.all(err <= bound), (err - bound).max()
 
@@ -103,7 +107,7 @@ def test_bits_16_and_32(dtype):
     half = act.codecs.get("quantize", bits=16)
     p = half.encode(x)
     assert p.nbytes == x.numel() * 2
-    assert torch.equal(half.decode(p), x.to(torch.bfloat16).to(dtype) if dtype == torch.float32 else x)
+    assert torch.equal(half.decode(p), x.to(torch.bfloat16).to(dtype) if x.element_size() > 2 else x)
 
 
 def test_group_statistics_bfloat16_cover_the_group():
@@ -125,8 +129,55 @@ def test_codec_options_validated(kwargs, match):
 
 
 def test_integer_input_rejected():
-    with pytest.raises(ValueError, match=r"float32/float16/bfloat16 tensors; got dtype=torch.int64"):
+    with pytest.raises(ValueError, match=r"quantize codec takes float32/float16/bfloat16/float64 tensors; "
+                                         r"got dtype=torch.int64"):
         act.codecs.get("quantize").encode(torch.arange(10))
+
+
+@pytest.mark.parametrize("stats_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_and_decoded_nans_are_canonical(dtype, stats_dtype):
+    """NaNs of every encoding in, +-Inf mixes (NaN statistics from Inf - Inf): the statistics and the decode
+    hold only the canonical NaN of their dtype, so CPU, CUDA and the kernels store the same bytes."""
+    x = nan_payload_groups(dtype, 32, tail=7)
+    codec = act.codecs.get("quantize", bits=4, group_size=32, stats_dtype=stats_dtype, backend="torch")
+    packed = codec.encode(x)
+    for name in ("mn", "step"):
+        assert_nans_canonical(packed.buffers[name])
+    y = codec.decode(packed)
+    assert_nans_canonical(y)
+    assert torch.isfinite(y[-39:-7]).all() and torch.isnan(y[:32]).all()  # finite group kept, NaN group marked
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_16_bit_form_keeps_raw_16_bit_inputs_and_canonicalises_casts(dtype):
+    x = nan_payload_groups(dtype, 32)
+    codec = act.codecs.get("quantize", bits=16)
+    packed = codec.encode(x)
+    y = codec.decode(packed)
+    if x.element_size() == 2:  # stored as it is: NaN bits and all
+        assert torch.equal(y.view(INT_VIEW[dtype]), x.view(INT_VIEW[dtype]))
+    else:
+        assert_nans_canonical(packed.buffers["raw"])
+        assert_nans_canonical(y)
+
+
+def test_float64_model_trains_under_the_compressor():
+    """A float64 model's saved tensors are quantized (they used to raise inside the pack hook)."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).double()
+    x = torch.randn(256, 64, dtype=torch.float64)
+    model(x).square().mean().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(codec="quantize", bits=8, min_numel=0))
+    with compressor.compress():
+        loss = model(x).square().mean()
+    loss.backward()
+    assert compressor.stats().ratio > 4
+    for p, g in zip(model.parameters(), reference):
+        assert p.grad.dtype == torch.float64
+        assert torch.allclose(p.grad, g, rtol=2e-2, atol=1e-3)
 
 
 def test_rng_scalar_and_tensor_hash_agree_and_cross_32bit_boundary():

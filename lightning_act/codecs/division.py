@@ -4,7 +4,8 @@ CUDA kernels in ``lightning_act/cuda/division.cu``.
 
 Layout: a tensor is read as ``planes x spatial``. Its last ``min(3, max(1, ndim - 2))`` dims are spatial
 (1D sequences and linear rows, 2D conv maps, 3D volumes); the leading dims are planes (sample x channel).
-A 0-d or 1-d tensor is one plane.
+A 0-d or 1-d tensor is one plane. Inputs are float32, float16, bfloat16 or float64, each element read as
+float32 (float64 rounded to nearest even, once); the arithmetic below is float32.
 
 Encode, per plane, with ``B = block_size``:
 
@@ -17,8 +18,9 @@ Encode, per plane, with ``B = block_size``:
 so the residual is quantized per channel of each sample with stochastic rounding from ``rng`` (element index
 = row-major index in the tensor), ``min`` rounded down and ``step`` up in bfloat16 (paper: ``(N^2 Q/8 + 4)``
 bytes per channel). Decode: ``x' = (mn + q * step) + upsampled lfc`` in float32, cast to the input dtype,
-so ``|x' - x| <= step`` of the plane (plus the output dtype's rounding) and ``E[x'] = x``. A plane holding
-NaN or +-Inf decodes to NaN.
+so ``|x' - x| <= step`` of the plane (plus the output dtype's rounding, or float32's of a float64 input) and
+``E[x'] = x``. A plane holding NaN or +-Inf decodes to NaN. Every NaN stored (``lfc``, ``mn``, ``step``) or
+decoded is the canonical NaN of its dtype (``quantize.CANONICAL_NAN``), whatever the input's NaN encodings.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .._validate import check_choice, check_int
 from . import register
 from ._bitpack import PACKABLE_BITS
 from .base import Codec, Packed
-from .quantize import BACKENDS, FLOAT_DTYPES, dequantize_reference, quantize_reference
+from .quantize import BACKENDS, canonical_nan_, check_float_input, dequantize_reference, quantize_reference
 
 MAX_SPATIAL_DIMS = 3
 
@@ -64,7 +66,7 @@ def block_counts(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
 
 def low_frequency_copy(x: torch.Tensor, block: int) -> torch.Tensor:
     """Block means of ``x`` (``planes x spatial``, any float dtype) in bfloat16, partial edge blocks averaged
-    over their elements inside the tensor; the summation order is the kernel's (module docstring)."""
+    over their elements inside the tensor, NaN canonical; the summation order is the kernel's (module docstring)."""
     spatial = tuple(x.shape[1:])
     blocks = block_counts(spatial, block)
     pad = [p for s, n in zip(reversed(spatial), reversed(blocks)) for p in (0, n * block - s)]
@@ -80,7 +82,7 @@ def low_frequency_copy(x: torch.Tensor, block: int) -> torch.Tensor:
         edge = torch.full((n,), float(block), dtype=torch.float32, device=x.device)
         edge[-1] = s - (n - 1) * block
         count = count.unsqueeze(-1) * edge
-    return (t / count).to(torch.bfloat16)
+    return canonical_nan_((t / count).to(torch.bfloat16))
 
 
 def upsample_nearest(lfc: torch.Tensor, spatial: tuple[int, ...], block: int) -> torch.Tensor:
@@ -107,7 +109,7 @@ def division_decode_reference(lfc, payload, mn, step, planes: int, spatial: tupl
     """Torch specification of the decode kernel: ``planes x spatial`` in ``dtype``."""
     plane = math.prod(spatial)
     residual = dequantize_reference(payload, mn, step, planes * plane, bits, plane, torch.float32)
-    return residual.view(planes, *spatial).add_(upsample_nearest(lfc, spatial, block)).to(dtype)
+    return canonical_nan_(residual.view(planes, *spatial).add_(upsample_nearest(lfc, spatial, block)).to(dtype))
 
 
 @register
@@ -130,8 +132,7 @@ class DivisionCodec(Codec):
             require_cupy()
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
-        if x.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"division codec takes float32/float16/bfloat16 tensors; got dtype={x.dtype}")
+        check_float_input(self.name, x)
         planes, spatial = planes_and_spatial(saved_layout(x))
         meta = {"planes": planes, "spatial": spatial, "block_size": self.block_size, "bits": self.bits}
         if x.numel() == 0:

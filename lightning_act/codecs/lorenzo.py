@@ -1,25 +1,31 @@
 """Error-bounded Lorenzo codec with zero preservation, the specification for the CUDA kernels in
 ``lightning_act/cuda/lorenzo.cu`` (bit for bit; ``backend="auto"`` runs them on CUDA tensors when CuPy imports).
 
-Strict guarantee, for every finite input element ``x`` of a float32/bfloat16/float16 tensor and its decode
-``y`` (same dtype): ``|x - y| <= error_bound`` exactly (the real-number difference, not a rounded one);
-``|x| <= error_bound`` decodes to exactly 0; NaN and +-Inf come back bit for bit. cuSZ/cuSZp/FZ-GPU accept
-1.01-1.1x the bound; here every reconstruction is verified at encode time and escapes are stored raw.
+Strict guarantee, for every finite input element ``x`` of a float32/bfloat16/float16/float64 tensor and its
+decode ``y`` (same dtype): ``|x - y| <= error_bound`` exactly (the real-number difference, not a rounded one);
+``|x| <= eb`` (below) decodes to exactly 0, which for 16/32-bit inputs is every ``|x| <= error_bound``; NaN and
++-Inf come back bit for bit (NaN payloads included: they are escapes, stored raw, never computed with).
+cuSZ/cuSZp/FZ-GPU accept 1.01-1.1x the bound; here every reconstruction is verified at encode time and escapes
+are stored raw.
 
 Constants, computed once on the host in float32: ``eb`` = the largest float32 <= ``error_bound``,
 ``step = 2 * eb``, ``inv = 1 / step`` (each one IEEE float32 operation), ``TMAX = 2**29`` (so |codes| <= 2**29 + 1 and
 Lorenzo deltas stay below 2**31: no int32 overflow for any input).
 
-Encode, per element (every float operation is one IEEE float32 operation, round to nearest even, no fused
-multiply-add; ``r(q) = dtype(float32(q) * step)``, the decode of code ``q`` rounded into the input dtype):
+Encode, per element (every float operation is one IEEE operation, round to nearest even, no fused multiply-add;
+``r(q) = dtype(float32(q) * step)``, the decode of code ``q`` rounded into the input dtype, exact for float64):
 
-    x32 = float32(x)
-    |x32| <= eb                      -> q = 0                                (zero preservation)
+    x32 = float32(x)                 (a float64 input rounded to nearest even; the others exactly)
+    xc  = x for a float64 input, else x32: the checks below are made on x itself, in xc's precision
+    |xc| <= eb                       -> q = 0                                (zero preservation)
     t = x32 * inv;  !(|t| < TMAX)    -> escape                               (NaN, Inf, out of range)
     q0 = rint(t)                     (ties to even)
-    ok(q) := |x32 - float32(r(q))| < eb      (strict: a rounded difference below eb proves the exact one is)
-    ok(q0) -> q0;  else q1 = q0 + (x32 > float32(r(q0)) ? 1 : -1);  ok(q1) -> q1;  else escape
+    ok(q) := |xc - r(q)| < eb        (strict: a rounded difference below eb proves the exact one is)
+    ok(q0) -> q0;  else q1 = q0 + (xc > r(q0) ? 1 : -1);  ok(q1) -> q1;  else escape
     escape -> code 0, and (index, raw x) appended to the escape list (in index order)
+
+The grid (``eb``, ``step``, ``inv``, ``t``) is float32 for every dtype; only the checks of a float64 input are
+float64, so its bound holds for x itself, not for float32(x).
 
 Blocks of 32 consecutive codes of the flattened tensor (the last is zero-padded) are stored independently
 (so a GPU decodes them in parallel). Each block stores values ``v`` in one of three modes, the cheapest,
@@ -45,10 +51,14 @@ Payload, 32-bit little-endian words where lane i is bit i:
 
 Block payload sizes follow from the headers alone; byte offsets are their exclusive prefix sum (int64).
 Escape indices are int32, or int64 when the tensor has 2**31 elements or more. When the total would exceed
-the raw tensor, the raw tensor (with |x| <= eb set to 0) is stored instead: never more bytes than the input.
+the raw tensor, the raw tensor (with |xc| <= eb set to 0) is stored instead: never more bytes than the input.
 
 Decode: codes from the payload (mode 1: inclusive prefix sum within the block), ``y = r(q)``, escapes
-scattered back raw. A zero code decodes to +0.0.
+scattered back raw. A zero code decodes to +0.0; ``r(q)`` of a stored code is never NaN.
+
+Kernels: the CUDA kernels take float32/float16/bfloat16. A float64 tensor (rare: scientific models) runs this
+torch code on any device and with every backend, ``backend="cupy"`` included: a saved tensor never raises for
+its dtype.
 """
 from __future__ import annotations
 
@@ -59,7 +69,7 @@ from .._validate import check_choice, check_positive_float
 from . import register
 from ._bitpack import pack_codes, unpack_codes
 from .base import Codec, Packed
-from .quantize import BACKENDS, FLOAT_DTYPES
+from .quantize import BACKENDS, check_float_input
 
 BLOCK = 32
 TMAX = float(1 << 29)
@@ -95,22 +105,27 @@ def _reconstruct(q: torch.Tensor, step: float, dtype: torch.dtype) -> torch.Tens
     return (q.float() * step).to(dtype)
 
 
+def _checked(x: torch.Tensor) -> torch.Tensor:
+    """``xc`` of the module's encode rules: ``x`` itself for float64, else float32 (exact for the other dtypes)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def prequantize(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (int32) and escape mask of a flat float tensor, following the module's encode rules."""
-    x32 = x.float()
-    t = x32 * inv
+    xc = _checked(x)
+    t = x.float() * inv
     inside = t.abs() < TMAX  # False for NaN/Inf
     q0f = torch.where(inside, torch.round(t), 0.0)
     q0 = q0f.to(torch.int32)
 
     def error_ok(q):
-        r = _reconstruct(q, step, x.dtype).float()
-        return (x32 - r).abs() < eb, r
+        r = _reconstruct(q, step, x.dtype).to(xc.dtype)
+        return (xc - r).abs() < eb, r
 
     ok0, r0 = error_ok(q0)
-    q1 = q0 + torch.where(x32 > r0, 1, -1).to(torch.int32)
+    q1 = q0 + torch.where(xc > r0, 1, -1).to(torch.int32)
     ok1, _ = error_ok(q1)
-    zero = x32.abs() <= eb
+    zero = xc.abs() <= eb
     q = torch.where(ok0, q0, q1)
     escape = ~zero & ~(inside & (ok0 | ok1))
     q = torch.where(zero | escape, 0, q)
@@ -332,8 +347,7 @@ class LorenzoCodec(Codec):
             require_cupy()
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
-        if x.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"lorenzo codec takes float32/float16/bfloat16 tensors; got dtype={x.dtype}")
+        check_float_input(self.name, x)
         flat = x.reshape(-1)
         if self._use_cupy(flat):
             from ..cuda.lorenzo import lorenzo_encode_cuda
@@ -344,7 +358,7 @@ class LorenzoCodec(Codec):
         packed = Packed(self.name, x.shape, x.dtype, x.device, buffers, {"error_bound": self.error_bound})
         raw_bytes = flat.numel() * flat.element_size()
         if packed.nbytes > raw_bytes:  # incompressible: the raw values, still zero-preserving
-            raw = torch.where(flat.float().abs() <= working_bound(self.error_bound)[0], 0, flat)
+            raw = torch.where(_checked(flat).abs() <= working_bound(self.error_bound)[0], 0, flat)
             packed = Packed(self.name, x.shape, x.dtype, x.device, {"raw": raw},
                             {"error_bound": self.error_bound})
         self._last_bits = 8.0 * packed.nbytes / max(flat.numel(), 1)
@@ -354,16 +368,19 @@ class LorenzoCodec(Codec):
         if "raw" in packed.buffers:
             return packed.buffers["raw"].view(packed.shape)
         args = (packed.buffers, packed.numel, packed.meta["error_bound"], packed.dtype)
-        if self._use_cupy(packed.buffers["header"]):
+        if self._use_cupy(packed.buffers["header"], packed.dtype):
             from ..cuda.lorenzo import lorenzo_decode_cuda
 
             return lorenzo_decode_cuda(*args).view(packed.shape)
         return lorenzo_decode_reference(*args).view(packed.shape)
 
-    def _use_cupy(self, t: torch.Tensor) -> bool:
+    def _use_cupy(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+        """Whether the kernels run for ``t`` whose values (the input, or what a decode writes) are of ``dtype``,
+        by default ``t``'s own: the torch path for dtypes the kernels do not take, whatever the backend."""
         from ..cuda import use_cupy_kernels
+        from ..cuda.lorenzo import supports
 
-        return use_cupy_kernels(self.backend, t)
+        return use_cupy_kernels(self.backend, t, supports(dtype or t.dtype))
 
     def bits_per_element(self, x: torch.Tensor) -> float:
         """Stored bits per element of the most recent :meth:`encode` (the size depends on the data)."""

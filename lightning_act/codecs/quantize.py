@@ -1,6 +1,8 @@
 """Per-group stochastic-rounding quantization (ActNN / GACT), the specification for the CUDA kernels.
 
-Encode, for the flattened tensor split into groups of ``group_size`` elements (the last may be short):
+Inputs are float32, float16, bfloat16 or float64; each element is read as float32 (float64 rounded to nearest
+even, once), and everything below is float32 arithmetic. Encode, for the flattened tensor split into groups of
+``group_size`` elements (the last may be short):
 
     mn, mx = min, max of the group in float32 (NaN propagates)
     step   = (mx - mn) / (2**bits - 1)                    stored with mn in ``stats_dtype``
@@ -11,7 +13,15 @@ Encode, for the flattened tensor split into groups of ``group_size`` elements (t
 Decode: ``x' = mn + q * step`` in float32, cast to the input dtype. Every operation is a single IEEE
 float32 operation (no fused multiply-add), so the kernels reproduce it bit for bit. With bfloat16 statistics,
 ``mn`` is rounded down and ``step`` up, so the grid still covers the group. ``E[x'] = x`` and ``|x' - x| <=
-step``. A group holding NaN or +-Inf decodes to NaN: non-finite values never come back silently finite.
+step`` (plus float32's rounding of a float64 input). A group holding NaN or +-Inf decodes to NaN: non-finite
+values never come back silently finite.
+
+NaN: every NaN this codec stores (``mn``, ``step``, the bfloat16 copy of ``bits=16``) or decodes is the one
+canonical NaN of its dtype, ``CANONICAL_NAN`` (positive, quiet, no payload: 0x7fc00000 float32, 0x7e00
+float16, 0x7fc0 bfloat16, 0x7ff8000000000000 float64), written through an integer view. NaN payloads are not
+portable (x86 propagates an operand's, a GPU returns 0x7fffffff, casts to bfloat16 differ between code paths),
+so without this the same tensor would store different bytes on CPU, on CUDA and in the kernels. Only the
+lossless raw forms (``bits=32``, ``bits=16`` of 16-bit inputs) keep the input's NaN bits.
 """
 from __future__ import annotations
 
@@ -26,7 +36,27 @@ from .base import Codec, Packed
 ALLOWED_BITS = (1, 2, 4, 8, 16, 32)
 STATS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKENDS = ("auto", "torch", "cupy")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# The one NaN the codecs store per dtype (what torch.where(isnan(x), nan, x) writes on CPU), and the integer
+# dtype it is written through.
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+            torch.float64: torch.int64}
+CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0,
+                 torch.float64: 0x7FF8000000000000}
+
+
+def check_float_input(codec: str, x: torch.Tensor) -> None:
+    """Raise ValueError naming the given dtype and the allowed ones unless ``x`` is a float tensor a codec takes."""
+    if x.dtype not in FLOAT_DTYPES:
+        allowed = "/".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
+        raise ValueError(f"{codec} codec takes {allowed} tensors; got dtype={x.dtype}")
+
+
+def canonical_nan_(t: torch.Tensor) -> torch.Tensor:
+    """Overwrite every NaN of ``t`` with ``CANONICAL_NAN`` of its dtype, in place, and return ``t``. Bits are
+    written through an integer view: a float NaN constant would be cast, and casts of NaN differ by device."""
+    t.view(INT_VIEW[t.dtype]).masked_fill_(torch.isnan(t), CANONICAL_NAN[t.dtype])
+    return t
 
 
 def _div_levels(d: torch.Tensor, levels: int) -> torch.Tensor:
@@ -36,15 +66,15 @@ def _div_levels(d: torch.Tensor, levels: int) -> torch.Tensor:
 
 
 def _round_stats(mn: torch.Tensor, mx: torch.Tensor, levels: int, dtype: torch.dtype):
-    """Group statistics in the stored dtype: mn rounded down, step rounded up (float32: exact)."""
+    """Group statistics in the stored dtype: mn rounded down, step rounded up (float32: exact); NaN canonical."""
     if dtype == torch.float32:
-        return mn, _div_levels(mx - mn, levels)
+        return canonical_nan_(mn), canonical_nan_(_div_levels(mx - mn, levels))
     mn_s = mn.to(dtype)
     mn_s = torch.where(mn_s.float() > mn, torch.nextafter(mn_s, mn_s.new_tensor(float("-inf"))), mn_s)
     step = _div_levels(mx - mn_s.float(), levels)
     step_s = step.to(dtype)
     step_s = torch.where(step_s.float() < step, torch.nextafter(step_s, step_s.new_tensor(float("inf"))), step_s)
-    return mn_s, step_s
+    return canonical_nan_(mn_s), canonical_nan_(step_s)
 
 
 def _as_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -97,7 +127,7 @@ def dequantize_reference(payload, mn, step, numel: int, bits: int, group_size: i
         q[: e1 - e0] = codes
         x = q.view(-1, group_size).mul_(step[g0:g1].float()[:, None]).add_(mn[g0:g1].float()[:, None])
         out[e0:e1] = x.view(-1)[: e1 - e0]
-    return out
+    return canonical_nan_(out)
 
 
 @register
@@ -122,12 +152,12 @@ class QuantizeCodec(Codec):
             require_cupy()
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
-        if x.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"quantize codec takes float32/float16/bfloat16 tensors; got dtype={x.dtype}")
+        check_float_input(self.name, x)
         if self.bits == 32 or (self.bits == 16 and x.element_size() == 2):
             return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.contiguous()}, {"bits": self.bits})
         if self.bits == 16:
-            return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.to(torch.bfloat16)}, {"bits": 16})
+            return Packed(self.name, x.shape, x.dtype, x.device, {"raw": canonical_nan_(x.to(torch.bfloat16))},
+                          {"bits": 16})
         if self._use_cupy(x):
             from ..cuda.quantize import quantize_cuda
 
@@ -140,7 +170,10 @@ class QuantizeCodec(Codec):
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if "raw" in packed.buffers:
-            return packed.buffers["raw"].to(packed.dtype).view(packed.shape)
+            raw = packed.buffers["raw"]
+            if raw.dtype == packed.dtype:  # lossless: the input's own bits
+                return raw.view(packed.shape)
+            return canonical_nan_(raw.to(packed.dtype)).view(packed.shape)
         b = packed.buffers
         args = (b["payload"], b["mn"], b["step"], packed.numel, packed.meta["bits"], packed.meta["group_size"],
                 packed.dtype)

@@ -3,7 +3,12 @@
 // and the CPU emulator build the very same concatenation.
 //
 // lightning_act/rng.py (counter-based RNG) and lightning_act/codecs/quantize.py (_round_stats, the
-// stochastic-rounding rule) are the specification, bit for bit.
+// stochastic-rounding rule, CANONICAL_NAN) are the specification, bit for bit.
+//
+// NaN: a GPU's arithmetic returns 0x7fffffff for any NaN result, CPUs keep an operand's payload, so computed
+// values never reach memory as they are: store_float, float_to_half and float_to_bf16 write the one canonical
+// NaN of each dtype (quantize.py's CANONICAL_NAN). Kernels that store raw input bits (lorenzo's escapes) are
+// the exception, by contract.
 
 #ifndef DYNAMIC_SHARED
 #define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
@@ -13,6 +18,11 @@
 #define DTYPE_FLOAT32 0
 #define DTYPE_FLOAT16 1
 #define DTYPE_BFLOAT16 2
+#define DTYPE_FLOAT64 3
+#define CANONICAL_NAN_F32 0x7fc00000u
+#define CANONICAL_NAN_F16 0x7e00u
+#define CANONICAL_NAN_BF16 0x7fc0u
+#define CANONICAL_NAN_F64 0x7ff8000000000000ll
 #define TWO_POW_MINUS_24 5.9604644775390625e-08f
 
 // ---- counter-based RNG (rng.py) ----
@@ -32,13 +42,13 @@ __device__ __forceinline__ float uniform24(unsigned int base, long long index) {
     return __fmul_rn((float)(h >> 8), TWO_POW_MINUS_24);
 }
 
-// ---- 16-bit floats as raw bits, converted exactly like torch on CPU ----
+// ---- 16-bit floats as raw bits, converted exactly like torch on CPU (NaN aside: canonical) ----
 __device__ __forceinline__ float bf16_to_float(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
 
-// round to nearest even (c10::BFloat16); NaN -> quiet NaN
+// round to nearest even (c10::BFloat16); NaN -> the canonical NaN
 __device__ __forceinline__ unsigned short float_to_bf16(float f) {
     const unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)0x7fc0u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)CANONICAL_NAN_BF16;
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -62,11 +72,11 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
     return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)mantissa, TWO_POW_MINUS_24)));
 }
 
-// round to nearest even, subnormals included, overflow to inf; NaN -> quiet NaN with its sign
+// round to nearest even, subnormals included, overflow to inf; NaN -> the canonical NaN
 __device__ __forceinline__ unsigned short float_to_half(float f) {
     const unsigned int u = __float_as_uint(f);
     const unsigned int sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);
+    if (a > 0x7f800000u) return (unsigned short)CANONICAL_NAN_F16;
     if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 rounds to inf
     if (a >= 0x38800000u) {                                           // normal half: >= 2**-14
         const unsigned int rebiased = a - 0x38000000u;                // exponent bias 127 -> 15
@@ -80,14 +90,19 @@ __device__ __forceinline__ unsigned short float_to_half(float f) {
     return (unsigned short)(sign | (kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u)));
 }
 
+// element i as float32: float64 rounded to nearest even (torch's .float()), the others exactly
 __device__ __forceinline__ float load_float(const void* p, long long i, int dtype) {
     if (dtype == DTYPE_FLOAT32) return ((const float*)p)[i];
+    if (dtype == DTYPE_FLOAT64) return __double2float_rn(((const double*)p)[i]);
     const unsigned short h = ((const unsigned short*)p)[i];
     return dtype == DTYPE_FLOAT16 ? half_to_float(h) : bf16_to_float(h);
 }
 
+// v rounded into element i's dtype (float64: exact), NaN as the canonical NaN of that dtype
 __device__ __forceinline__ void store_float(void* p, long long i, int dtype, float v) {
-    if (dtype == DTYPE_FLOAT32) ((float*)p)[i] = v;
+    const bool nan = v != v;
+    if (dtype == DTYPE_FLOAT32) ((unsigned int*)p)[i] = nan ? CANONICAL_NAN_F32 : __float_as_uint(v);
+    else if (dtype == DTYPE_FLOAT64) ((double*)p)[i] = nan ? __longlong_as_double(CANONICAL_NAN_F64) : (double)v;
     else ((unsigned short*)p)[i] = dtype == DTYPE_FLOAT16 ? float_to_half(v) : float_to_bf16(v);
 }
 
@@ -95,7 +110,7 @@ __device__ __forceinline__ void store_float(void* p, long long i, int dtype, flo
 __device__ __forceinline__ float nan_min(float a, float b) { return (a < b || a != a) ? a : b; }
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 
-// _round_stats: the stored statistics, returned as the float32 values encode and decode compute with
+// _round_stats: the stored statistics (NaN canonical), returned as the float32 values encode computes with
 __device__ __forceinline__ void round_stats(float mn, float mx, int levels, int stats_dtype, void* mn_out,
                                             void* step_out, long long group, bool store, float* mn32,
                                             float* step32) {
@@ -103,8 +118,8 @@ __device__ __forceinline__ void round_stats(float mn, float mx, int levels, int 
         *mn32 = mn;
         *step32 = __fdiv_rn(__fsub_rn(mx, mn), (float)levels);
         if (store) {
-            ((float*)mn_out)[group] = *mn32;
-            ((float*)step_out)[group] = *step32;
+            store_float(mn_out, group, DTYPE_FLOAT32, *mn32);
+            store_float(step_out, group, DTYPE_FLOAT32, *step32);
         }
         return;
     }

@@ -4,7 +4,8 @@
 //
 // Compiled at run time by NVRTC (CuPy RawModule): no #include, builtin types only, extern "C" names; every
 // float32 operation is an explicit __f*_rn intrinsic (no contracted multiply-add); 64-bit element offsets.
-// The launcher prepends common.cuh (RNG, 16-bit floats, round_stats, quantize_one).
+// The launcher prepends common.cuh (RNG, 16-bit floats, round_stats, quantize_one). x_dtype / out_dtype: any
+// DTYPE_* of common.cuh (float64 read as float32, rounded once; written exactly); NaN stored canonical.
 //
 // A tensor is `planes` planes of d0 x d1 x d2 elements (1D and 2D layouts have leading dims of size 1, whose
 // block size b is 1, so they add no padding and no term to any sum). Four kernels, no host synchronisation:

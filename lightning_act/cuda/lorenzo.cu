@@ -4,7 +4,8 @@
 //
 // Compiled at run time by NVRTC (CuPy RawModule): no #include, builtin types only, extern "C" names; every
 // float32 operation is an explicit __f*_rn intrinsic (no contracted multiply-add); 64-bit element and byte
-// offsets. The launcher prepends common.cuh (16-bit floats, load/store_float).
+// offsets. The launcher prepends common.cuh (16-bit floats, load/store_float). dtype: float32, float16 or
+// bfloat16 (escapes are copied as 4- or 2-byte words); the codec runs float64 tensors on its torch path.
 //
 // One warp per block of 32 codes (lane i = element 32 * block + i), grid-stride over blocks:
 //   lorenzo_header   prequantize, choose the block's mode; write its header, payload size and escape count

@@ -8,6 +8,8 @@ nothing escapes). Decode: offsets from the headers alone (exclusive prefix sum o
 their total, to check the payload's length before any launch), the decode kernel, then the escapes scattered
 back. One warp per block of 32 elements.
 
+The kernels take float32, float16 and bfloat16 (``supports``); the codec runs float64 on the torch path.
+
 The reference chunks its torch temporaries (``CHUNK_ELEMENTS``, a multiple of the block): headers, payload and
 escapes do not depend on the chunking, so the kernels run over the whole tensor at once.
 """
@@ -21,10 +23,16 @@ from .launcher import KernelRunner, check_runner_device, check_tensor, default_r
 from .quantize import DTYPE_CODES
 
 SOURCE = "lorenzo.cu"
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 WARPS_PER_BLOCK = 8  # LORENZO_MAX_WARPS in lorenzo.cu
 SCATTER_THREADS = 256
 # Grid cap; kernels grid-stride beyond it (tests lower it to exercise that loop).
 MAX_BLOCKS = 1 << 20
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernels encode and decode tensors of ``dtype`` (the torch path takes float64 too)."""
+    return dtype in KERNEL_DTYPES
 
 
 def _grid(blocks: int):
@@ -43,7 +51,7 @@ def _bound(error_bound: float) -> tuple[np.float32, np.float32, np.float32]:
 
 def _check_flat(flat: torch.Tensor, runner: KernelRunner) -> None:
     check_runner_device(runner, flat.device)
-    check_tensor("flat", flat, device=flat.device, dtypes=tuple(DTYPE_CODES))
+    check_tensor("flat", flat, device=flat.device, dtypes=KERNEL_DTYPES)
     if flat.dim() != 1:
         raise ValueError(f"flat must be 1-dimensional; got shape {tuple(flat.shape)}")
 
@@ -104,8 +112,8 @@ def lorenzo_decode_cuda(buffers: dict[str, torch.Tensor], numel: int, error_boun
     escape_index, escape_value = buffers["escape_index"], buffers["escape_value"]
     device = header.device
     check_runner_device(runner, device)
-    if dtype not in DTYPE_CODES:
-        raise ValueError(f"dtype={dtype}; expected one of {', '.join(map(str, DTYPE_CODES))}")
+    if not supports(dtype):
+        raise ValueError(f"dtype={dtype}; expected one of {', '.join(map(str, KERNEL_DTYPES))}")
     blocks = -(-numel // BLOCK)
     check_tensor("header", header, device=device, dtypes=(torch.int16,), numel=blocks)
     sizes = block_sizes(header)[0]

@@ -9,7 +9,8 @@
 // the payload). Encode reads the group once (coalesced, 32 consecutive elements per warp load) into shared
 // memory while reducing min/max, then quantizes from shared memory and writes whole 32-bit words.
 // Decode reads each payload byte and statistic once from DRAM and writes each output element once.
-// Dtype codes (x_dtype, stats_dtype, out_dtype): 0 float32, 1 float16, 2 bfloat16 (16-bit types as raw bits).
+// Dtype codes (x_dtype, stats_dtype, out_dtype): 0 float32, 1 float16, 2 bfloat16 (16-bit types as raw bits),
+// 3 float64 (inputs rounded to float32 once, outputs widened exactly); statistics are float32 or bfloat16.
 // The launcher prepends common.cuh (RNG, 16-bit float conversions, statistics rounding, quantize_one).
 
 // Encode. Block: warps_per_block * 32 threads, dynamic shared memory warps_per_block * group_size floats.

@@ -13,7 +13,7 @@ from ..codecs._bitpack import PACKABLE_BITS, packed_nbytes
 from .launcher import KernelRunner, check_runner_device, check_tensor, default_runner, pointer, warps_grid
 
 SOURCE = "quantize.cu"
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the .cu's DTYPE_* codes
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}  # common.cuh's DTYPE_*
 STATS_DTYPES = (torch.float32, torch.bfloat16)
 MAX_WARPS_PER_BLOCK = 8
 SHARED_BYTES_PER_BLOCK = 32 * 1024  # below the 48 KiB a kernel gets without opting in

@@ -4,13 +4,15 @@
 // them. __syncthreads() is a std::barrier over the block; warp primitives exchange values through a per-block
 // slot array between two waits on a per-warp barrier; __shared__ is a function-static (blocks never overlap);
 // dynamic shared memory is a per-launch buffer reached through DYNAMIC_SHARED(type, name).
-// Float intrinsics __f*_rn are plain IEEE operations: compile with -ffp-contract=off so none is fused.
+// Float intrinsics __f*_rn are plain IEEE operations (compile with -ffp-contract=off so none is fused) with a
+// GPU's NaN results (see gpu_nan below).
 // Limits: blockDim must be a multiple of 32 and warp primitives must be called by the full warp with a full
 // mask (what the project's kernels do); a violation aborts with a message rather than returning garbage.
 #pragma once
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -178,21 +180,26 @@ T atomicMax(T* address, T v) {
 using std::max;
 using std::min;
 
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __frcp_rn(float a) { return 1.0f / a; }
-inline unsigned __float_as_uint(float f) {
-    unsigned u;
-    std::memcpy(&u, &f, sizeof u);
-    return u;
-}
-inline float __uint_as_float(unsigned u) {
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
+// NaN results: a GPU's float arithmetic and conversions (add, sub, mul, div, rcp; cvt: floorf, rintf,
+// double -> float) return the canonical NaN 0x7fffffff whatever the operands' payloads, where x86 propagates
+// an operand's payload (quieted). Loads, stores, selects, comparisons and shuffles move bits unchanged on both.
+// fabsf is left to the host: the kernels only compare its result.
+namespace cuda_emu {
+inline float gpu_nan(float r) { return r != r ? std::bit_cast<float>(0x7fffffffu) : r; }
+}  // namespace cuda_emu
+
+inline float __fadd_rn(float a, float b) { return cuda_emu::gpu_nan(a + b); }
+inline float __fsub_rn(float a, float b) { return cuda_emu::gpu_nan(a - b); }
+inline float __fmul_rn(float a, float b) { return cuda_emu::gpu_nan(a * b); }
+inline float __fdiv_rn(float a, float b) { return cuda_emu::gpu_nan(a / b); }
+inline float __frcp_rn(float a) { return cuda_emu::gpu_nan(1.0f / a); }
+inline float __double2float_rn(double d) { return cuda_emu::gpu_nan(static_cast<float>(d)); }
+// after <cmath>: only the kernel sources see these
+#define floorf(x) cuda_emu::gpu_nan(std::floor(static_cast<float>(x)))
+#define rintf(x) cuda_emu::gpu_nan(std::rint(static_cast<float>(x)))
+inline unsigned __float_as_uint(float f) { return std::bit_cast<unsigned>(f); }
+inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
+inline double __longlong_as_double(long long v) { return std::bit_cast<double>(v); }
 
 // lorenzo kernels need:
 template <class T>
