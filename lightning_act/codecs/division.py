@@ -33,7 +33,8 @@ from .._validate import check_choice, check_int
 from . import register
 from ._bitpack import PACKABLE_BITS
 from .base import Codec, Packed
-from .quantize import BACKENDS, canonical_nan_, check_float_input, dequantize_reference, quantize_reference
+from .quantize import (BACKENDS, FLOAT_DTYPES, canonical_nan_, check_float_input, dequantize_reference,
+                       quantize_reference)
 
 MAX_SPATIAL_DIMS = 3
 

@@ -69,7 +69,7 @@ from .._validate import check_choice, check_positive_float
 from . import register
 from ._bitpack import pack_codes, unpack_codes
 from .base import Codec, Packed
-from .quantize import BACKENDS, check_float_input
+from .quantize import BACKENDS, FLOAT_DTYPES, check_float_input
 
 BLOCK = 32
 TMAX = float(1 << 29)
