@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _summary import RunResult, summary_table  # noqa: E402
 
 import lightning_act as act  # noqa: E402
-from lightning_act.integrations import ACTTrainer  # noqa: E402
+from lightning_act.integrations import ACTTrainer, checkpointing_args  # noqa: E402
 
 # GLUE task -> (text fields, evaluation split)
 GLUE_TASKS = {
@@ -94,7 +94,7 @@ def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResu
     training_args = transformers.TrainingArguments(
         output_dir=str(Path(args.logdir) / run), num_train_epochs=args.epochs, max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=2 * args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, activation_checkpointing=args.gradient_checkpointing,
+        gradient_accumulation_steps=args.grad_accum, **checkpointing_args(args.gradient_checkpointing),
         learning_rate=args.lr, logging_steps=args.logging_steps, report_to=args.report_to, save_strategy="no",
         use_cpu=True, seed=args.seed, disable_tqdm=True)
     timer = StepTimer()

@@ -435,7 +435,8 @@ def test_backend_cupy_refuses_cpu_tensors(monkeypatch):
 @pytest.mark.skipif(cuda_pkg.cupy_available(), reason="CuPy is installed here")
 @pytest.mark.parametrize("codec", CODECS)
 def test_without_cupy_the_cupy_backend_says_how_to_install_it(codec):
-    with pytest.raises(ImportError, match=r"pip install 'lightning-act\[cuda\]'"):
+    hint = r"pip install 'lightning-act\[cuda13\]' on CUDA 13, 'lightning-act\[cuda12\]' on CUDA 12"
+    with pytest.raises(ImportError, match=hint):
         CODECS[codec]("cupy")
     with pytest.raises(ImportError, match=r"pip install"):
         quantize_cuda(torch.randn(64), 4, 256, torch.float32, 0, 0)

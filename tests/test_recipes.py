@@ -93,9 +93,10 @@ def test_hf_recipe_offline_minilm_on_rotten_tomatoes(tmp_path, capsys, monkeypat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     baseline, compressed = hf_text_classification.main(
         ["--train-samples", "8", "--eval-samples", "8", "--max-length", "16", "--max-steps", "1",
-         "--batch-size", "4", "--logging-steps", "1", "--logdir", str(tmp_path)])
+         "--batch-size", "4", "--logging-steps", "1", "--gradient-checkpointing", "--logdir", str(tmp_path)])
     _check_summary(capsys.readouterr().out, baseline, compressed)
     assert compressed.stats.ratio > 4
+    assert any(r.phase == "recompute" for r in compressed.stats.records)  # --gradient-checkpointing took effect
     assert "train/act/compression_ratio" in _tags(tmp_path / "compressed")
 
 

@@ -1,5 +1,7 @@
 """``ACTTrainer`` / ``CompressionCallback``: compression of training steps only, statistics in the Trainer's
 reporting, gradient accumulation and gradient checkpointing (tiny random BERT, no download)."""
+import warnings
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ import lightning_act as act
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from lightning_act.integrations import ACTTrainer, CompressionCallback  # noqa: E402
+from lightning_act.integrations import ACTTrainer, CompressionCallback, checkpointing_args  # noqa: E402
 from lightning_act.stats import COMPRESSED  # noqa: E402
 
 
@@ -66,14 +68,26 @@ def test_evaluation_is_not_compressed(tmp_path):
 
 
 def test_gradient_checkpointing_compresses_recomputed_tensors(tmp_path):
-    # transformers 5 name of gradient_checkpointing (now a deprecated alias)
-    trainer = _trainer(tmp_path, activation_checkpointing=True)
+    # activation_checkpointing from transformers 5.23, gradient_checkpointing before: the helper picks the name
+    trainer = _trainer(tmp_path, **checkpointing_args(True))
+    assert trainer.args.gradient_checkpointing is True  # the old name stays readable (an alias from 5.23)
     trainer.train()
     stats = trainer.compressor.stats()
     recomputed = [r for r in stats.records if r.phase == "recompute" and r.kind == COMPRESSED]
     assert recomputed, "the checkpointed layers' recomputation was not compressed"
     assert stats.ratio > 3
     assert _act_logs(trainer)[-1]["act/compression_ratio"] == pytest.approx(stats.ratio)
+
+
+def test_checkpointing_args_take_the_current_name_and_reject_non_bool(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers 5.23 warns on the old gradient_checkpointing
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                              **checkpointing_args(True))
+    assert args.gradient_checkpointing is True
+    assert list(checkpointing_args(False).values()) == [False]
+    with pytest.raises(TypeError, match=r"checkpointing_args\(enabled='yes'\); expected True or False"):
+        checkpointing_args("yes")
 
 
 def test_given_callback_is_moved_before_reporters_and_tensorboard_gets_the_scalars(tmp_path):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 
-INSTALL_HINT = "pip install 'lightning-act[cuda]'  (or: pip install cupy-cuda12x)"
+INSTALL_HINT = "pip install 'lightning-act[cuda13]' on CUDA 13, 'lightning-act[cuda12]' on CUDA 12 (torch.version.cuda)"
 
 
 def cupy_available() -> bool:

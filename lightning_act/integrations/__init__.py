@@ -4,7 +4,8 @@ Importing this package imports none of them: each name below loads its module on
 library raises ``ImportError`` with the install command.
 
 - ``compress_forward(model, config)`` / ``unpatch(model)``: Accelerate (or any loop), patch a model's forward
-- ``ACTTrainer`` / ``ACTTrainerMixin`` / ``CompressionCallback``: HuggingFace ``Trainer`` with compression
+- ``ACTTrainer`` / ``ACTTrainerMixin`` / ``CompressionCallback``: HuggingFace ``Trainer`` with compression;
+  ``checkpointing_args(True)``: the ``TrainingArguments`` keyword for HF gradient checkpointing in any version
 - ``LayerStats``: per-layer statistics (GNN layers by default) by module hooks
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 _EXPORTS = {
     "compress_forward": "accelerate", "unpatch": "accelerate",
     "ACTTrainer": "transformers", "ACTTrainerMixin": "transformers", "CompressionCallback": "transformers",
+    "checkpointing_args": "transformers",
     "LayerStats": "pyg",
 }
 # module -> (library it needs, extra that installs it)

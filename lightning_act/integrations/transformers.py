@@ -7,8 +7,10 @@
 ``compute_loss_context_manager`` is the hook transformers gives for contexts around the forward; it is also
 used by evaluation, so the compressor is entered only for training steps (model in training mode, grad
 enabled). With gradient accumulation every micro-batch is compressed; the logged statistics are the last
-micro-batch's. ``gradient_checkpointing=True`` goes through the engine's compressed checkpoint: segment inputs
-and recomputed tensors are compressed and counted.
+micro-batch's. HF gradient checkpointing goes through the engine's compressed checkpoint: segment inputs and
+recomputed tensors are compressed and counted. Its ``TrainingArguments`` switch is ``activation_checkpointing``
+from transformers 5.23 and ``gradient_checkpointing`` before (then a deprecated alias, removed in v6):
+``TrainingArguments(..., **checkpointing_args(True))`` uses the name the installed version takes.
 
 ``CompressionCallback`` adds the ``act/`` scalars to every training log, so the Trainer's reporting
 (``report_to``: TensorBoard, W&B, ...) and ``trainer.state.log_history`` carry them; HF's TensorBoard writer
@@ -24,18 +26,32 @@ layers' inputs from the optimizer's momentum (Jin et al.), refreshed after optim
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..adapt.error_bound import ErrorBoundController
 from ..callbacks.auto_precision import AutoPrecision
 from ..callbacks.monitor import step_metrics
 from ..config import ACTConfig, resolve_config
 from ..engine import ActivationCompressor
+
+_CHECKPOINTING_ARG = ("activation_checkpointing"
+                      if "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
+                      else "gradient_checkpointing")
+
+
+def checkpointing_args(enabled: bool = True) -> dict[str, bool]:
+    """The ``TrainingArguments`` keyword that switches HF gradient checkpointing, under the name the installed
+    transformers takes: ``{"activation_checkpointing": enabled}`` from 5.23, ``{"gradient_checkpointing": enabled}``
+    before."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"checkpointing_args(enabled={enabled!r}); expected True or False")
+    return {_CHECKPOINTING_ARG: enabled}
 
 
 class CompressionCallback(TrainerCallback):
