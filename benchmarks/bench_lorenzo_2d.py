@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightning_act.codecs.lorenzo import _bit_length, encode_blocks, prequantize, working_bound
+from lightning_act.formats.lorenzo import bit_length, encode_blocks, prequantize, working_bound
 from models import machine, publish
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
@@ -43,7 +43,7 @@ def conv_activations() -> list[torch.Tensor]:
 
 
 def _dense_bytes(values: torch.Tensor) -> torch.Tensor:
-    return 4 * (_bit_length(values.abs().amax(1)) + (values < 0).any(1))
+    return 4 * (bit_length(values.abs().amax(1)) + (values < 0).any(1))
 
 
 def tile_2d_bytes(codes: torch.Tensor, rows: int = 4, cols: int = 8) -> int:
@@ -57,7 +57,7 @@ def tile_2d_bytes(codes: torch.Tensor, rows: int = 4, cols: int = 8) -> int:
     predicted = (tiles - left - up + up_left).reshape(len(tiles), -1)
     raw = tiles.reshape(len(tiles), -1)
     k = (raw != 0).sum(1)
-    sparse = torch.where(k > 0, 4 + (k * (_bit_length(raw.abs().amax(1)) + (raw < 0).any(1)) + 7) // 8, 1 << 30)
+    sparse = torch.where(k > 0, 4 + (k * (bit_length(raw.abs().amax(1)) + (raw < 0).any(1)) + 7) // 8, 1 << 30)
     return int(torch.stack([_dense_bytes(raw), _dense_bytes(predicted), sparse], 1).min(1).values.sum())
 
 

@@ -23,12 +23,15 @@ estimate exists, and without either, tensors get the fixed ``bits``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import codecs
 from ._validate import check_choice, check_int, check_positive_float
-from .codecs.quantize import ALLOWED_BITS, BACKENDS, STATS_DTYPES
+from .codecs.backend import BACKENDS
+from .codecs.quantize import ALLOWED_BITS
+from .formats.quantize import STATS_DTYPES
 
 LEVELS = ("L0", "L1", "L2", "CB1", "CB2")
 _OFF = {"swap": False, "checkpointing": False, "efficient_attention": False}
@@ -46,6 +49,12 @@ _LEVEL_PRESETS: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True)
 class ACTConfig:
     """How saved activations are compressed.
+
+    The fields fall in three groups. The level and the engine: ``opt_level``, ``min_numel``, ``compress_masks``,
+    ``blpa_bits``, ``swap``, ``checkpointing``, ``efficient_attention``. The codec: ``codec`` and its options,
+    given by the fields its class lists in ``config_fields`` (``bits``, ``group_size``, ``stats_dtype``, ``seed``,
+    ``backend``, ``error_bound``) and any other constructor argument in ``codec_options``. Auto-precision:
+    ``adaptive``, ``adapt_interval``, ``bit_budget``, ``adapt_fraction``, ``alert_ratio``.
 
     Args:
         opt_level: GACT optimisation level, one of ``LEVELS`` (see the module table). Unset fields take the
@@ -66,6 +75,8 @@ class ACTConfig:
         seed: seed of the counter-based stochastic-rounding noise.
         backend: ``"auto"`` (CuPy kernels for CUDA tensors when CuPy imports, else torch), ``"torch"``, ``"cupy"``.
         error_bound: absolute error bound for error-bounded codecs.
+        codec_options: other constructor arguments of the codec, e.g. ``{"block_size": 4, "bits": 4}`` for
+            ``division`` (names the codec's constructor does not take are refused).
         swap: move compressed activations to host memory in forward, prefetch them in backward (L2).
         checkpointing: checkpoint HuggingFace layers with compressed inputs and recomputation (CB1, CB2).
         efficient_attention: chunked self-attention in HuggingFace models, memory linear in length (CB2).
@@ -90,6 +101,7 @@ class ACTConfig:
     seed: int = 0
     backend: str = "auto"
     error_bound: float | None = None
+    codec_options: dict[str, Any] = field(default_factory=dict, hash=False)
     swap: bool | None = None
     checkpointing: bool | None = None
     efficient_attention: bool | None = None
@@ -131,6 +143,22 @@ class ACTConfig:
             _check_number_in("bit_budget", self.bit_budget, 1.0, 32.0, "a number in [1, 32]")
         _check_number_in("adapt_fraction", self.adapt_fraction, 0.0, 1.0, "a number in (0, 1]", open_low=True)
         check_positive_float("alert_ratio", self.alert_ratio)
+        self._check_codec_options()
+
+    def _check_codec_options(self) -> None:
+        if not isinstance(self.codec_options, dict):
+            raise ValueError(f"codec_options={self.codec_options!r}; expected a dict of {self.codec} constructor "
+                             "arguments")
+        object.__setattr__(self, "codec_options", dict(self.codec_options))  # the caller's dict stays theirs
+        cls = codecs.codec_class(self.codec)
+        allowed = [name for name in inspect.signature(cls).parameters if name not in cls.config_fields]
+        unknown = sorted(set(self.codec_options) - set(allowed))
+        if unknown:
+            raise ValueError(f"codec_options has {', '.join(map(repr, unknown))}, which codec {self.codec!r} does "
+                             f"not take; expected some of {', '.join(map(repr, allowed)) or 'none'} (the others "
+                             f"are ACTConfig fields: {', '.join(cls.config_fields)})")
+        if self.enabled:
+            codecs.get(self.codec, **self.codec_kwargs())  # bad option values fail here, not in the first forward
 
     @property
     def enabled(self) -> bool:
@@ -141,19 +169,12 @@ class ACTConfig:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
 
-    def codec_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``codecs.get(self.codec, ...)``."""
-        if self.codec == "quantize":
-            return {"bits": self.bits, "group_size": self.group_size, "stats_dtype": self.stats_dtype,
-                    "seed": self.seed, "backend": self.backend}
-        if self.codec == "none":
-            return {}
-        if self.codec == "division":  # block size and residual bits keep DIVISION's defaults (B=8, Q=2)
-            return {"seed": self.seed, "backend": self.backend}
-        options: dict[str, Any] = {"backend": self.backend}
-        if self.error_bound is not None:
-            options["error_bound"] = self.error_bound
-        return options
+    def codec_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``codecs.get(self.codec, ...)``: the fields the codec takes from the config (those
+        left unset, ``None``, keep the codec's defaults) and ``codec_options``."""
+        cls = codecs.codec_class(self.codec)
+        fields = {name: getattr(self, name) for name in cls.config_fields if getattr(self, name) is not None}
+        return {**fields, **self.codec_options}
 
 
 def _check_number_in(field: str, value: Any, low: float, high: float, rule: str, open_low: bool = False) -> None:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import codecs, op_codecs, rng
+from . import codecs, rng
+from .codecs import op_rules
 from .codecs.base import Codec, Packed
 from .config import ACTConfig, resolve_config
 from .optrack import FunctionTracker
@@ -250,7 +251,7 @@ class ActivationCompressor:
     def _hooks(self, step: "_Step") -> Iterator[None]:
         outer = self.current_step
         self._thread.step = step
-        if self.config.enabled and self.config.compress_masks and op_codecs.OP_RULES:
+        if self.config.enabled and self.config.compress_masks and op_rules.OP_RULES:
             step.tracker = FunctionTracker()
         try:
             with contextlib.ExitStack() as stack:
@@ -303,16 +304,17 @@ class ActivationCompressor:
         return {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
 
     def codec_for(self, index: int, t: torch.Tensor) -> Codec:
-        """The codec for float or bool saved tensor number ``index`` of the step: 1 bit for bool tensors,
-        else the configured codec at the bits the ``bits_policy`` assigns."""
-        if t.dtype == torch.bool:
-            return self._codec("bitmask", None)
+        """The codec for float or bool saved tensor number ``index`` of the step: the lossless codec registered
+        for its dtype (1 bit for bool tensors), else the configured codec at the bits the ``bits_policy`` assigns."""
+        dtype_codec = codecs.dtype_codec(t.dtype)
+        if dtype_codec is not None:
+            return self._codec(dtype_codec)
         if self.codec_policy is not None:
             codec = self.codec_policy(index, t)
             if codec is not None:
                 return codec
         bits = self.bits_policy(index, t) if self.bits_policy is not None else None
-        return self._codec(self.config.codec, bits if bits is not None else self.config.bits)
+        return self._codec(self.config.codec, bits)
 
     def noise_key(self, index: int, step: "_Step | None" = None) -> int:
         """Random-stream key of saved tensor ``index`` in ``step`` (default: this thread's current step)."""
@@ -321,12 +323,14 @@ class ActivationCompressor:
             return self.noise_policy(number, index)
         return rng.mix32(number) ^ index
 
-    def _codec(self, name: str, bits: int | None) -> Codec:
+    def _codec(self, name: str, bits: int | None = None) -> Codec:
+        """Codec ``name`` (built once): the configured codec with the config's options, ``bits`` overriding the
+        config's (auto-precision); any other codec with its defaults."""
         key = (name, bits)
         codec = self._codecs.get(key)
         if codec is None:
-            options = {} if name == "bitmask" else self.config.codec_options()
-            if bits is not None and name == "quantize":
+            options = self.config.codec_kwargs() if name == self.config.codec else {}
+            if bits is not None:
                 options["bits"] = bits
             codec = self._codecs[key] = codecs.get(name, **options)
         return codec
@@ -376,7 +380,7 @@ class ActivationCompressor:
             stored, swapped = packed.nbytes, None
             if self.swap_store is not None and step.phase == "forward":  # recomputed tensors live briefly
                 swapped, packed = self.swap_store.put(step.number, index, packed), None
-            self._record(step, index, t, COMPRESSED, codec.name, codec.bits_per_element(unit), original, stored,
+            self._record(step, index, t, COMPRESSED, codec.name, codec.bits_per_element(unit, packed), original, stored,
                          offloaded=swapped is not None, error_bound=codec.error_bound)
             saved = _Saved(t, _version_alias(t), packed=packed, swapped=swapped, codec=codec, geometry=geometry)
         step.seen[key] = (StorageWeakRef(t.untyped_storage()), saved)
@@ -387,12 +391,12 @@ class ActivationCompressor:
         """The codec for an activation, or ``None`` and the reason it is kept as it is."""
         if not self.config.enabled:
             if self.config.swap and t.is_floating_point() and unit.numel() >= max(self.config.min_numel, 1):
-                return self._codec("none", None), ""  # swap the uncompressed tensor
+                return self._codec("none"), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
         codec = None
         if step.tracker is not None and unit.numel() >= self.config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly
-            codec = op_codecs.codec_for_call(step.tracker.current, t)
+            codec = op_rules.codec_for_call(step.tracker.current, t)
         if codec is None:
             if t.dtype == torch.bool and not self.config.compress_masks:
                 return None, "mask compression off"

@@ -78,3 +78,31 @@ def test_resolve_aliases():
 def test_codec_registry_lists_names_on_unknown():
     with pytest.raises(KeyError, match=r"unknown codec 'zstd'; available: .*bitmask.*none.*quantize"):
         act.codecs.get("zstd")
+
+
+def test_codec_options_reach_the_codec_and_fields_stay_with_the_config():
+    cfg = act.ACTConfig(codec="division", codec_options={"block_size": 4, "bits": 4}, seed=3)
+    assert cfg.codec_kwargs() == {"seed": 3, "backend": "auto", "block_size": 4, "bits": 4}
+    codec = act.ActivationCompressor(None, cfg)._codec("division")
+    assert (codec.block_size, codec.bits, codec.seed) == (4, 4, 3)
+    # division keeps DIVISION's Q=2 residual unless told: the config's bits are quantize's
+    assert act.ACTConfig(codec="division", bits=8).codec_kwargs() == {"seed": 0, "backend": "auto"}
+    assert act.ACTConfig(codec="lorenzo", error_bound=1e-3).codec_kwargs() == {"error_bound": 1e-3, "backend": "auto"}
+    given = {"block_size": 4}
+    cfg = act.ACTConfig(codec="division", codec_options=given)
+    given["block_size"] = 16
+    assert cfg.codec_options == {"block_size": 4} and hash(cfg) == hash(act.ACTConfig(codec="division"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(codec="division", codec_options={"blocksize": 4}),
+     r"codec_options has 'blocksize', which codec 'division' does not take; expected some of 'block_size', 'bits' "
+     r"\(the others are ACTConfig fields: seed, backend\)"),
+    (dict(codec="quantize", codec_options={"bits": 2}), r"codec_options has 'bits', which codec 'quantize' does not"),
+    (dict(codec="division", codec_options={"block_size": 0}), r"block_size=0; expected an integer >= 1"),
+    (dict(codec="division", codec_options=[("bits", 4)]), r"codec_options=\[\('bits', 4\)\]; expected a dict"),
+    (dict(codec="lorenzo"), r"error_bound=None; expected a finite number > 0"),
+])
+def test_codec_options_are_checked_when_the_config_is_built(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        act.ACTConfig(**kwargs)

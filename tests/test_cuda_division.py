@@ -5,32 +5,15 @@ compare by value, as in test_cuda_quantize)."""
 import pytest
 import torch
 
-import lightning_act.cuda.division as cuda_division
-from lightning_act.codecs.division import DivisionCodec, division_decode_reference, division_encode_reference
+import lightning_act.cuda.launcher as launcher
+from lightning_act.codecs.division import DivisionCodec
 from lightning_act.cuda.division import division_decode_cuda, division_encode_cuda
+from lightning_act.cuda.launcher import use_runner
+from tests.cuda_emulation.checks import DTYPES, assert_refused_before_launch, assert_same_bits, check_division
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
 from tests.cuda_emulation.nan_payloads import GROUPS, nan_payload_groups
-from tests.test_cuda_quantize import DTYPES, assert_refused_before_launch, assert_same_bits
 
 BITS = [1, 2, 4, 8]
-
-
-@pytest.fixture(scope="module")
-def runner():
-    return EmulatorRunner()
-
-
-def check_encode_and_decode(runner, x, block, bits, seed=3, key=11):
-    """Emulated kernels == torch reference on ``x`` (planes x spatial): encode outputs, and decode of the
-    reference's encoding."""
-    expected = division_encode_reference(x, block, bits, seed, key)
-    lfc, payload, mn, step = division_encode_cuda(x.contiguous(), block, bits, seed, key, runner=runner)
-    assert_same_bits(lfc, expected[0])
-    assert_same_bits(payload, expected[1])
-    assert_same_bits(mn, expected[2], zero_sign_free=True)
-    assert_same_bits(step, expected[3], zero_sign_free=True)
-    decode_args = (*expected, x.shape[0], tuple(x.shape[1:]), block, bits, x.dtype)
-    assert_same_bits(division_decode_cuda(*decode_args, runner=runner), division_decode_reference(*decode_args))
 
 
 # planes x spatial: 1D rows, 2D maps, 3D volumes; spatial smaller than, not divisible by, equal to the block;
@@ -46,7 +29,7 @@ SHAPES = [(1, 1), (3, 9), (2, 100), (4, 3, 3), (2, 17, 13), (3, 8, 16), (2, 3, 9
 def test_random_tensors_bit_identical(runner, bits, dtype, shape):
     torch.manual_seed(bits + len(shape))
     x = (torch.randn(shape) * 3 + 1).to(dtype)
-    check_encode_and_decode(runner, x, 8, bits)
+    check_division(runner, x, 8, bits)
 
 
 @pytest.mark.parametrize("block", [1, 2, 3, 5])
@@ -54,7 +37,7 @@ def test_random_tensors_bit_identical(runner, bits, dtype, shape):
 @requires_gxx
 def test_block_sizes(runner, block):
     torch.manual_seed(block)
-    check_encode_and_decode(runner, torch.randn(3, 11, 7), block, 2)
+    check_division(runner, torch.randn(3, 11, 7), block, 2)
 
 
 def _special(case: str) -> torch.Tensor:
@@ -82,7 +65,7 @@ def _special(case: str) -> torch.Tensor:
 @pytest.mark.toolchain
 @requires_gxx
 def test_special_values_bit_identical(runner, dtype, case):
-    check_encode_and_decode(runner, _special(case).to(dtype), 8, 2)
+    check_division(runner, _special(case).to(dtype), 8, 2)
 
 
 @pytest.mark.parametrize("spatial", [(32,), (4, 8), (2, 4, 4)], ids=str)
@@ -92,29 +75,27 @@ def test_special_values_bit_identical(runner, dtype, case):
 def test_nan_payloads_store_the_same_bits(runner, dtype, spatial):
     """Planes holding NaNs of every encoding and +-Inf mixes: block means, statistics and decode carry the spec's
     NaN bits (blocks of 3 put a NaN first in some sums and later in others)."""
-    check_encode_and_decode(runner, nan_payload_groups(dtype, 32).view(GROUPS, *spatial), 3, 2)
+    check_division(runner, nan_payload_groups(dtype, 32).view(GROUPS, *spatial), 3, 2)
 
 
 @pytest.mark.toolchain
 @requires_gxx
 def test_grid_stride_loops_cover_work_beyond_the_grid(runner, monkeypatch):
-    monkeypatch.setattr(cuda_division, "MAX_BLOCKS", 2)
+    monkeypatch.setattr(launcher, "MAX_BLOCKS", 2)
     runner.launches.clear()
-    check_encode_and_decode(runner, torch.randn(6, 96, 64), 8, 4)  # 576 cells, 6 planes: 2 blocks each
+    check_division(runner, torch.randn(6, 96, 64), 8, 4)  # 576 cells, 6 planes: 2 blocks each
     assert {launch[2] for launch in runner.launches} == {(2, 1, 1)}
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 10, 12), (6, 50), (1,), (3, 1, 40, 40)], ids=str)
 @pytest.mark.toolchain
 @requires_gxx
-def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, monkeypatch, shape):
+def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, shape):
     """DivisionCodec through the kernels (layout, reshape, buffers) == through torch, also for a strided input."""
-    monkeypatch.setattr(cuda_division, "default_runner", lambda: runner)
-    monkeypatch.setattr(DivisionCodec, "_use_cupy", lambda self, t: True)
     torch.manual_seed(1)
     x = torch.randn(*shape[:-1], shape[-1] * 2)[..., ::2]  # non-contiguous
-    kernel_packed = DivisionCodec(bits=2).encode(x, key=5)
-    monkeypatch.undo()
+    with use_runner(runner):  # the emulator stands in for the GPU
+        kernel_packed = DivisionCodec(bits=2, backend="cupy").encode(x, key=5)
     torch_codec = DivisionCodec(bits=2, backend="torch")
     torch_packed = torch_codec.encode(x, key=5)
     assert kernel_packed.nbytes == torch_packed.nbytes

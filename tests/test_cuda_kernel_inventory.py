@@ -10,10 +10,9 @@ import torch
 
 import lightning_act.cuda
 from lightning_act.cuda.lorenzo import KERNEL_DTYPES
-from tests import test_cuda_division, test_cuda_lorenzo, test_cuda_quantize
+from tests.cuda_emulation.checks import DTYPES, check_division, check_lorenzo, check_quantize, lorenzo_data
 from tests.cuda_emulation.emulator import EmulatorRunner, kernel_names, requires_gxx
 from tests.cuda_emulation.nan_payloads import nan_payload_groups
-from tests.test_cuda_quantize import DTYPES
 
 CUDA_DIR = Path(lightning_act.cuda.__file__).parent
 
@@ -21,19 +20,19 @@ CUDA_DIR = Path(lightning_act.cuda.__file__).parent
 def _quantize(runner, dtype):
     # 900 random elements, then 416 with NaNs and Infs: the last group of 256 is partial
     x = torch.cat([(torch.randn(900) * 2).to(dtype), nan_payload_groups(dtype, 32)])
-    test_cuda_quantize.check_encode_and_decode(runner, x, 4, 256, torch.float32)
+    check_quantize(runner, x, 4, 256, torch.float32)
 
 
 def _division(runner, dtype):
     # planes of 13 x 10, not divisible by the block of 8; the last 13 planes hold NaNs and Infs
     x = torch.cat([torch.randn(6 * 130).to(dtype), nan_payload_groups(dtype, 130)])
-    test_cuda_division.check_encode_and_decode(runner, x.view(-1, 13, 10), 8, 2)
+    check_division(runner, x.view(-1, 13, 10), 8, 2)
 
 
 def _lorenzo_with_escapes(runner, dtype):
     """Smooth runs (Lorenzo blocks), noise (raw codes) and NaN/Inf, which escape: every lorenzo kernel runs."""
-    x = torch.cat([test_cuda_lorenzo._data("mixed", 700).to(dtype), nan_payload_groups(dtype, 32)])
-    test_cuda_lorenzo.check_encode_and_decode(runner, x, 1e-2)
+    x = torch.cat([lorenzo_data("mixed", 700).to(dtype), nan_payload_groups(dtype, 32)])
+    check_lorenzo(runner, x, 1e-2)
 
 
 KERNEL_INPUTS = {

@@ -14,60 +14,27 @@ import pytest
 import torch
 
 import lightning_act.cuda as cuda_pkg
+import lightning_act.cuda.launcher as launcher
 import lightning_act.cuda.quantize as cuda_quantize
 from lightning_act.codecs.division import DivisionCodec
 from lightning_act.codecs.lorenzo import LorenzoCodec
-from lightning_act.codecs.quantize import QuantizeCodec, dequantize_reference, quantize_reference
-from lightning_act.cuda.launcher import CupyRunner, NVRTC_OPTIONS, kernel_source
+from lightning_act.codecs.quantize import QuantizeCodec
+from lightning_act.cuda.launcher import NVRTC_OPTIONS, CupyRunner, kernel_source
 from lightning_act.cuda.quantize import dequantize_cuda, quantize_cuda
+from lightning_act.formats.quantize import dequantize_reference, quantize_reference
+from tests.cuda_emulation.checks import (
+    DTYPES,
+    assert_refused_before_launch,
+    assert_same_bits,
+    assert_same_encoding,
+    check_quantize,
+)
 from tests.cuda_emulation.emulator import EmulatedModule, EmulatorRunner, requires_gxx
-from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups, nan_tensor
+from tests.cuda_emulation.nan_payloads import nan_payload_groups, nan_tensor
 
 BITS = [1, 2, 4, 8]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 STATS_DTYPES = [torch.float32, torch.bfloat16]
 
-
-@pytest.fixture(scope="module")
-def runner():
-    return EmulatorRunner()
-
-
-def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, zero_sign_free: bool = False):
-    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape)
-    if not actual.is_floating_point():
-        assert torch.equal(actual, expected)
-        return
-    loose = torch.zeros_like(expected, dtype=torch.bool)
-    if zero_sign_free:
-        assert torch.equal(actual == 0, expected == 0), "zero positions differ"
-        loose = expected == 0
-    a, e = actual.view(INT_VIEW[actual.dtype]), expected.view(INT_VIEW[expected.dtype])
-    assert torch.equal(a[~loose], e[~loose]), f"{int((a != e)[~loose].sum())} elements differ in their bits"
-
-
-def assert_same_encoding(actual, expected):
-    """(payload, mn, step) of the kernel == of the reference."""
-    assert_same_bits(actual[0], expected[0])
-    for a, e in zip(actual[1:], expected[1:]):
-        assert_same_bits(a, e, zero_sign_free=True)
-
-
-def assert_refused_before_launch(call, match):
-    """``call(runner)`` raises ValueError matching ``match`` before launching anything."""
-    runner = EmulatorRunner()
-    with pytest.raises(ValueError, match=match):
-        call(runner)
-    assert runner.launches == []
-
-
-def check_encode_and_decode(runner, x, bits, group_size, stats_dtype, seed=3, key=11):
-    """Emulated kernels == torch reference: encode outputs, and decode of the reference's encoding."""
-    expected = quantize_reference(x, bits, group_size, stats_dtype, seed, key)
-    assert_same_encoding(quantize_cuda(x.contiguous(), bits, group_size, stats_dtype, seed, key, runner=runner),
-                         expected)
-    decode_args = (*expected, x.numel(), bits, group_size, x.dtype)
-    assert_same_bits(dequantize_cuda(*decode_args, runner=runner), dequantize_reference(*decode_args))
 
 
 # (shape, group_size): one element, sizes that are not multiples of the group, of 32 or of a block of 8 groups
@@ -83,7 +50,7 @@ SHAPES = [((1,), 256), ((37,), 32), ((7, 37), 256), ((3, 256), 256), ((2, 3, 300
 def test_random_tensors_bit_identical(runner, bits, dtype, stats_dtype, shape, group_size):
     torch.manual_seed(bits * 100 + len(shape))
     x = (torch.randn(shape) * 3 + 1).to(dtype)
-    check_encode_and_decode(runner, x, bits, group_size, stats_dtype)
+    check_quantize(runner, x, bits, group_size, stats_dtype)
 
 
 def _special(case: str) -> torch.Tensor:
@@ -122,7 +89,7 @@ SPECIAL = ["constant", "zeros", "nan", "inf", "nan_group", "inf_group", "tiny", 
 @pytest.mark.toolchain
 @requires_gxx
 def test_special_values_bit_identical(runner, bits, dtype, stats_dtype, case):
-    check_encode_and_decode(runner, _special(case).to(dtype), bits, 64, stats_dtype)
+    check_quantize(runner, _special(case).to(dtype), bits, 64, stats_dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -132,7 +99,7 @@ def test_every_16_bit_pattern_is_read_exactly(runner, dtype):
     """All 65536 encodings (subnormals, infinities, NaNs) as input, in order: a group holds 256 neighbouring
     values, so its 8-bit codes are about one per ulp and expose any error of the kernel's 16-bit -> float32 read."""
     x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
-    check_encode_and_decode(runner, x, 8, 256, torch.float32)
+    check_quantize(runner, x, 8, 256, torch.float32)
 
 
 @pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
@@ -142,7 +109,7 @@ def test_every_16_bit_pattern_is_read_exactly(runner, dtype):
 def test_nan_payloads_store_the_same_bits(runner, dtype, stats_dtype):
     """Groups holding NaNs of every encoding (signalling, quiet, negative, with payload bits), +-Inf mixes whose
     differences are NaN: the statistics the kernel stores and its decode carry the spec's NaN bits."""
-    check_encode_and_decode(runner, nan_payload_groups(dtype, 32, tail=7), 4, 32, stats_dtype)
+    check_quantize(runner, nan_payload_groups(dtype, 32, tail=7), 4, 32, stats_dtype)
 
 
 def _float64_rounding_cases() -> torch.Tensor:
@@ -167,7 +134,7 @@ def test_float64_inputs_are_rounded_to_float32_like_the_reference(runner, case, 
     x = _float64_rounding_cases()
     if case == "range":  # one group per magnitude: tiny groups keep their float32 subnormals apart
         x = x[x.isfinite() & (x.abs() < 1e30)].sort().values
-    check_encode_and_decode(runner, x, 8, 32, stats_dtype)
+    check_quantize(runner, x, 8, 32, stats_dtype)
 
 
 @pytest.mark.parametrize("stats_dtype", STATS_DTYPES)
@@ -198,10 +165,10 @@ def test_decode_of_arbitrary_statistics(runner, dtype, stats_dtype):
 @pytest.mark.toolchain
 @requires_gxx
 def test_grid_stride_loop_covers_groups_beyond_the_grid(runner, monkeypatch):
-    monkeypatch.setattr(cuda_quantize, "MAX_BLOCKS", 2)
+    monkeypatch.setattr(launcher, "MAX_BLOCKS", 2)
     x = torch.randn(40 * 64 + 17)
     runner.launches.clear()
-    check_encode_and_decode(runner, x, 4, 64, torch.float32)
+    check_quantize(runner, x, 4, 64, torch.float32)
     assert [launch[2] for launch in runner.launches] == [(2, 1, 1), (2, 1, 1)]  # 41 groups on 2 blocks of 8 warps
 
 
@@ -397,7 +364,7 @@ def test_bad_arguments_are_refused_before_launch(call, match):
 # ---- backend choice in the codec ----
 
 def _tensor_on(device: str, dtype: torch.dtype):
-    """Stands in for a tensor: _use_cupy looks only at its device and dtype."""
+    """Stands in for a tensor: the backend choice looks only at its device and dtype."""
     return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"), dtype=dtype)
 
 
@@ -423,7 +390,7 @@ def test_backend_choice(monkeypatch, codec, backend, device, cupy_importable, ex
     monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
     if codec == "quantize group 16384" or (codec == "lorenzo" and dtype == torch.float64):
         expected = False  # a format the kernels do not take: the torch path (also on CUDA), with either backend
-    assert CODECS[codec](backend)._use_cupy(_tensor_on(device, dtype)) is expected
+    assert CODECS[codec](backend).runs_kernels(_tensor_on(device, dtype)) is expected
 
 
 def test_backend_cupy_refuses_cpu_tensors(monkeypatch):

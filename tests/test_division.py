@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_act as act
-from benchmarks.bench_division import resnet50
-from lightning_act.codecs.division import low_frequency_copy, planes_and_spatial, upsample_nearest
+from lightning_act.formats.division import low_frequency_copy, planes_and_spatial, upsample_nearest
+from lightning_act.models import resnet50
 from lightning_act.stats import COMPRESSED
 from tests.cuda_emulation.nan_payloads import GROUPS, assert_nans_canonical, nan_payload_groups
 

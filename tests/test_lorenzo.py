@@ -9,9 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lightning_act as act
-from lightning_act.codecs import lorenzo
-from lightning_act.codecs.lorenzo import (MODE_LORENZO, MODE_RAW, MODE_SPARSE, block_sizes, decode_blocks,
-                                          encode_blocks, index_dtype, working_bound)
+from lightning_act.codecs.lorenzo import LorenzoCodec
+from lightning_act.formats import lorenzo
+from lightning_act.formats.lorenzo import (
+    MODE_LORENZO,
+    MODE_RAW,
+    MODE_SPARSE,
+    block_sizes,
+    decode_blocks,
+    encode_blocks,
+    index_dtype,
+    working_bound,
+)
 from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -296,5 +305,5 @@ def test_engine_with_lorenzo_gives_close_gradients(dtype):
         assert torch.allclose(p.grad, g, rtol=1e-2, atol=1e-4)
 
 
-def test_reference_modules_are_exported():
-    assert lorenzo.LorenzoCodec.name == "lorenzo" and "lorenzo" in act.codecs.available()
+def test_codec_is_registered():
+    assert act.codecs.codec_class("lorenzo") is LorenzoCodec and "lorenzo" in act.codecs.available()

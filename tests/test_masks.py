@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_act as act
-from lightning_act import op_codecs
+from lightning_act.codecs import op_rules
 from lightning_act.stats import COMPRESSED
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -121,7 +121,7 @@ def test_maxpool_index_refuses_indices_outside_their_window_and_wrong_tensors():
 def test_rules_are_registered_for_relu_dropout_and_max_pool():
     for fn in (F.relu, torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, F.leaky_relu, F.dropout,
                F.max_pool1d, F.max_pool2d, F.max_pool3d, F.max_pool2d_with_indices, torch.max_pool2d):
-        assert fn in op_codecs.OP_RULES
+        assert fn in op_rules.OP_RULES
 
 
 def _cnn() -> nn.Module:

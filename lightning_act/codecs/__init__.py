@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+import torch
+
 from .base import Codec, Packed
 
 _REGISTRY: dict[str, type[Codec]] = {}
+_DTYPE_CODECS: dict[torch.dtype, str] = {}
 C = TypeVar("C", bound=type[Codec])
 
 
@@ -22,16 +25,30 @@ def available() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def get(name: str, **options) -> Codec:
-    """Build the codec registered as ``name`` with its options (``bits=``, ``error_bound=``, ...)."""
+def register_dtype_codec(dtype: torch.dtype, name: str) -> None:
+    """Make codec ``name`` the one the engine uses for every saved tensor of ``dtype`` (a lossless form)."""
+    _DTYPE_CODECS[dtype] = name
+
+
+def dtype_codec(dtype: torch.dtype) -> str | None:
+    """The codec registered for ``dtype`` with :func:`register_dtype_codec`, if any."""
+    return _DTYPE_CODECS.get(dtype)
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The codec class registered as ``name``."""
     try:
-        cls = _REGISTRY[name]
+        return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown codec {name!r}; available: {', '.join(available())}") from None
-    return cls(**options)
+
+
+def get(name: str, **options) -> Codec:
+    """Build the codec registered as ``name`` with its options (``bits=``, ``error_bound=``, ...)."""
+    return codec_class(name)(**options)
 
 
 # Registration happens at import of each codec module.
 from . import bitmask, division, lorenzo, masks, passthrough, quantize  # noqa: E402,F401
 
-__all__ = ["Codec", "Packed", "available", "get", "register"]
+__all__ = ["Codec", "Packed", "available", "codec_class", "dtype_codec", "get", "register", "register_dtype_codec"]

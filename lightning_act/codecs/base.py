@@ -7,6 +7,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import backend
+
 
 @dataclass
 class Packed:
@@ -53,6 +55,9 @@ class Codec(ABC):
     # and other permuted layouts, views) flattened. True: it reads the tensor's own shape (planes, pooling
     # windows) and gets the saved tensor as it is, any strides; ``decode`` then returns it contiguous.
     logical_layout: ClassVar[bool] = False
+    # The ``ACTConfig`` fields passed to the constructor when the config names this codec (``ACTConfig.codec``);
+    # ``ACTConfig.codec_options`` gives any other constructor argument.
+    config_fields: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
@@ -62,8 +67,21 @@ class Codec(ABC):
     def decode(self, packed: Packed) -> torch.Tensor:
         """Rebuild a contiguous tensor of the original shape, dtype and device."""
 
-    def bits_per_element(self, x: torch.Tensor) -> float:
-        """Nominal payload bits per element (for statistics); subclasses refine it."""
+    backend: str = "torch"  # "auto", "torch" or "cupy" (lightning_act.codecs.backend), for codecs with kernels
+
+    def kernels_take(self, dtype: torch.dtype) -> bool:
+        """Whether this codec's CUDA kernels handle its format for values of ``dtype`` (codecs without kernels:
+        never)."""
+        return False
+
+    def runs_kernels(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+        """Whether encoding ``t`` (or decoding buffer ``t`` into values of ``dtype``) runs the kernels rather than
+        the format's torch reference: :func:`lightning_act.codecs.backend.uses_kernels` decides."""
+        return backend.uses_kernels(self.backend, t, self.kernels_take(dtype or t.dtype))
+
+    def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
+        """Payload bits per element of ``x`` (for statistics; ``packed``, its encoding, for codecs whose size
+        depends on the data); subclasses refine it."""
         return 8.0 * x.element_size()
 
     def __repr__(self) -> str:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from . import register
-from ._bitpack import pack_codes, unpack_codes
+from ..formats._bitpack import pack_codes, unpack_codes
+from . import register, register_dtype_codec
 from .base import Codec, Packed
 
 
@@ -24,5 +24,8 @@ class BitmaskCodec(Codec):
         codes = unpack_codes(packed.buffers["bits"], 1, packed.numel)
         return codes.view(torch.bool).view(packed.shape)
 
-    def bits_per_element(self, x: torch.Tensor) -> float:
+    def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return 1.0
+
+
+register_dtype_codec(torch.bool, BitmaskCodec.name)

@@ -3,7 +3,7 @@ dropout masks and max-pool argmax indices.
 
 How the engine learns which op saved a tensor: a ``TorchFunctionMode`` (``lightning_act.optrack``) records
 the torch function call that is running while autograd packs its saved tensors, and the rules registered
-here (``op_codecs.register_op_rule``) map those functions to the codecs below. Chosen over the
+here (``op_rules.register_op_rule``) map those functions to the codecs below. Chosen over the
 alternatives because a saved tensor's ``grad_fn`` cannot tell a ReLU saving its output from the next layer
 saving the same tensor as input, and replacing modules misses functional calls (``F.relu``, ``x.relu()``)
 and rewrites user models; the mode sees ``nn.ReLU``, ``F.relu``, ``torch.relu`` and ``Tensor.relu_`` alike
@@ -28,11 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import op_codecs
-from . import register
-from ._bitpack import pack_codes, packed_nbytes, unpack_codes
+from ..formats._bitpack import pack_codes, packed_nbytes, unpack_codes
+from . import op_rules, register
 from .base import Codec, Packed
-
 
 FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 
@@ -58,7 +56,7 @@ class PositiveMaskCodec(Codec):
     def decode(self, packed: Packed) -> torch.Tensor:
         return unpack_codes(packed.buffers["bits"], 1, packed.numel).to(packed.dtype).view(packed.shape)
 
-    def bits_per_element(self, x: torch.Tensor) -> float:
+    def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return 1.0
 
 
@@ -86,7 +84,7 @@ class ScaledMaskCodec(Codec):
         scale = packed.buffers["scale"]
         return torch.where(nonzero, scale, scale.new_zeros(())).view(packed.shape)
 
-    def bits_per_element(self, x: torch.Tensor) -> float:
+    def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return 1.0
 
 
@@ -192,7 +190,7 @@ class MaxPoolIndexCodec(Codec):
         coords = [start + t * d for start, t, d in zip(self._window_starts(packed.device), taps, self.dilation)]
         return _ravel(coords, self.input_size).view(packed.shape)
 
-    def bits_per_element(self, x: torch.Tensor) -> float:
+    def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return float(self.bits)
 
 
@@ -225,11 +223,11 @@ def _max_pool_rule(t: torch.Tensor, call) -> Codec | None:
                              args.get("padding", 0), args.get("dilation", 1), bool(args.get("ceil_mode", False)))
 
 
-op_codecs.register_op_rule(
+op_rules.register_op_rule(
     (F.relu, torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, F.leaky_relu, F.leaky_relu_),
     _positive_mask_rule)
-op_codecs.register_op_rule(
+op_rules.register_op_rule(
     (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout, torch.dropout_, torch.feature_dropout,
      torch.feature_dropout_),
     _dropout_rule)
-op_codecs.register_op_rule(tuple(_POOL_DIMS), _max_pool_rule)
+op_rules.register_op_rule(tuple(_POOL_DIMS), _max_pool_rule)

@@ -18,18 +18,3 @@ def require_cupy():
     except ImportError as err:
         raise ImportError(f"backend='cupy' needs CuPy, which is not installed: {INSTALL_HINT}") from err
     return cupy
-
-
-def use_cupy_kernels(backend: str, t, supported: bool = True) -> bool:
-    """Whether a codec runs its CuPy kernels on tensor ``t``: never with backend='torch', nor for a format the
-    kernels do not take (``supported`` False: the torch path runs, on the same device, so no saved tensor fails
-    for its format); otherwise always with 'cupy' (then ``t`` must be a CUDA tensor), and with 'auto' for CUDA
-    tensors when CuPy imports."""
-    if backend == "torch":
-        return False
-    if backend == "cupy":
-        if t.device.type != "cuda":
-            raise ValueError(f"backend='cupy' runs on CUDA tensors; got a tensor on {t.device} "
-                             f"(use backend='auto' or 'torch' for CPU tensors)")
-        return supported
-    return t.is_cuda and supported and cupy_available()

@@ -12,19 +12,17 @@ import numpy as np
 import torch
 
 from .. import rng
-from ..codecs._bitpack import PACKABLE_BITS, packed_nbytes
-from ..codecs.division import MAX_SPATIAL_DIMS, block_counts
-from .launcher import KernelRunner, check_runner_device, check_tensor, default_runner, pointer
-from .quantize import DTYPE_CODES
+from ..formats._bitpack import PACKABLE_BITS, packed_nbytes
+from ..formats.division import MAX_SPATIAL_DIMS, block_counts
+from . import launcher
+from .launcher import DTYPE_CODES, KernelRunner, check_dtype, check_runner_device, check_tensor, default_runner, pointer
 
 SOURCE = "division.cu"
 THREADS = 256
-# Grid cap; kernels grid-stride beyond it (tests lower it to exercise that loop).
-MAX_BLOCKS = 1 << 20
 
 
 def _grid(units: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    return (min(-(-units // THREADS), MAX_BLOCKS), 1, 1), (THREADS, 1, 1)
+    return (min(-(-units // THREADS), launcher.MAX_BLOCKS), 1, 1), (THREADS, 1, 1)
 
 
 def _layout_args(spatial: tuple[int, ...], block: int) -> tuple[np.int32, ...]:
@@ -77,7 +75,7 @@ def division_encode_cuda(x: torch.Tensor, block: int, bits: int, seed: int, key:
         grid, threads = _grid(lfc.numel())
         runner.launch(SOURCE, "division_lfc", grid, threads,
                       (pointer(x), dtype, np.int64(planes), *layout, pointer(lfc)), 0, x.device)
-        runner.launch(SOURCE, "division_stats", (min(planes, MAX_BLOCKS), 1, 1), (THREADS, 1, 1),
+        runner.launch(SOURCE, "division_stats", (min(planes, launcher.MAX_BLOCKS), 1, 1), (THREADS, 1, 1),
                       (pointer(x), dtype, pointer(lfc), np.int64(planes), *layout, np.int32(bits), pointer(mn),
                        pointer(step)), 0, x.device)
         grid, threads = _grid(payload.numel())
@@ -97,8 +95,7 @@ def division_decode_cuda(lfc, payload, mn, step, planes: int, spatial: tuple[int
     spatial = tuple(spatial)
     layout = _layout_args(spatial, block)
     _check_packed(lfc, payload, mn, step, planes, spatial, block, bits, device)
-    if dtype not in DTYPE_CODES:
-        raise ValueError(f"dtype={dtype}; expected one of {', '.join(map(str, DTYPE_CODES))}")
+    check_dtype("dtype", dtype)
     out = torch.empty(planes, *spatial, dtype=dtype, device=device)
     if out.numel():
         grid, threads = _grid(out.numel())

@@ -7,8 +7,9 @@ emulator (``tests/cuda_emulation``) runs the very same source, grid and argument
 """
 from __future__ import annotations
 
+import contextlib
 from importlib import resources
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +19,10 @@ import torch
 NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")
 WARP_SIZE = 32
 Dim3 = tuple[int, int, int]
+# common.cuh's DTYPE_* codes of the float dtypes kernels read and write
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+# Grid cap; kernels grid-stride beyond it (tests lower it to exercise those loops).
+MAX_BLOCKS = 1 << 20
 
 
 # Device code every kernel source shares (RNG, 16-bit floats, ...): NVRTC has no #include, so it is prepended.
@@ -81,14 +86,36 @@ class CupyRunner:
 
 
 _default_runner: CupyRunner | None = None
+_override: KernelRunner | None = None
 
 
-def default_runner() -> CupyRunner:
-    """The process-wide CuPy runner (its module cache is what "compiled once per device" means)."""
+def default_runner() -> KernelRunner:
+    """The runner launchers use: the one installed by :func:`use_runner`, else the process-wide CuPy runner (its
+    module cache is what "compiled once per device" means)."""
     global _default_runner
+    if _override is not None:
+        return _override
     if _default_runner is None:
         _default_runner = CupyRunner()
     return _default_runner
+
+
+def runner_override() -> KernelRunner | None:
+    """The runner installed by :func:`use_runner`, if any."""
+    return _override
+
+
+@contextlib.contextmanager
+def use_runner(runner: KernelRunner) -> Iterator[KernelRunner]:
+    """Run every kernel launch on ``runner`` for the duration, and let codecs with ``backend="auto"`` or
+    ``"cupy"`` take the kernel path for tensors on ``runner.device_type`` (the emulator, or a no-op runner that
+    measures the host cost of the CUDA path on CPU)."""
+    global _override
+    previous, _override = _override, runner
+    try:
+        yield runner
+    finally:
+        _override = previous
 
 
 def pointer(t: torch.Tensor) -> np.uint64:
@@ -110,6 +137,12 @@ def check_tensor(name: str, t: torch.Tensor, *, device: torch.device, dtypes: Se
         raise ValueError(f"{name} must be contiguous; got strides {t.stride()}")
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name} must have {numel} elements; got {t.numel()}")
+
+
+def check_dtype(name: str, dtype: torch.dtype, allowed=DTYPE_CODES) -> None:
+    """Raise ValueError naming ``dtype`` and the allowed ones unless a kernel reads or writes it."""
+    if dtype not in allowed:
+        raise ValueError(f"{name}={dtype}; expected one of {', '.join(map(str, allowed))}")
 
 
 def check_runner_device(runner: KernelRunner, device: torch.device) -> None:

@@ -18,16 +18,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..codecs.lorenzo import BLOCK, block_sizes, index_dtype, working_bound
-from .launcher import KernelRunner, check_runner_device, check_tensor, default_runner, pointer, warps_grid
-from .quantize import DTYPE_CODES
+from ..formats.lorenzo import BLOCK, block_sizes, index_dtype, working_bound
+from . import launcher
+from .launcher import (
+    DTYPE_CODES,
+    KernelRunner,
+    check_dtype,
+    check_runner_device,
+    check_tensor,
+    default_runner,
+    pointer,
+    warps_grid,
+)
 
 SOURCE = "lorenzo.cu"
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 WARPS_PER_BLOCK = 8  # LORENZO_MAX_WARPS in lorenzo.cu
 SCATTER_THREADS = 256
-# Grid cap; kernels grid-stride beyond it (tests lower it to exercise that loop).
-MAX_BLOCKS = 1 << 20
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -36,7 +43,7 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def _grid(blocks: int):
-    return warps_grid(blocks, min(WARPS_PER_BLOCK, blocks), MAX_BLOCKS)
+    return warps_grid(blocks, min(WARPS_PER_BLOCK, blocks), launcher.MAX_BLOCKS)
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +119,7 @@ def lorenzo_decode_cuda(buffers: dict[str, torch.Tensor], numel: int, error_boun
     escape_index, escape_value = buffers["escape_index"], buffers["escape_value"]
     device = header.device
     check_runner_device(runner, device)
-    if not supports(dtype):
-        raise ValueError(f"dtype={dtype}; expected one of {', '.join(map(str, KERNEL_DTYPES))}")
+    check_dtype("dtype", dtype, KERNEL_DTYPES)
     blocks = -(-numel // BLOCK)
     check_tensor("header", header, device=device, dtypes=(torch.int16,), numel=blocks)
     sizes = block_sizes(header)[0]
@@ -132,7 +138,7 @@ def lorenzo_decode_cuda(buffers: dict[str, torch.Tensor], numel: int, error_boun
                    pointer(out), code), 0, device)
     escapes = escape_index.numel()
     if escapes:
-        runner.launch(SOURCE, "lorenzo_scatter", (min(-(-escapes // SCATTER_THREADS), MAX_BLOCKS), 1, 1),
+        runner.launch(SOURCE, "lorenzo_scatter", (min(-(-escapes // SCATTER_THREADS), launcher.MAX_BLOCKS), 1, 1),
                       (SCATTER_THREADS, 1, 1),
                       (pointer(escape_index), np.int32(escape_index.dtype == torch.int64), pointer(escape_value),
                        np.int64(escapes), code, pointer(out)), 0, device)

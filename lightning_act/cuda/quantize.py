@@ -9,17 +9,24 @@ import numpy as np
 import torch
 
 from .. import rng
-from ..codecs._bitpack import PACKABLE_BITS, packed_nbytes
-from .launcher import KernelRunner, check_runner_device, check_tensor, default_runner, pointer, warps_grid
+from ..formats._bitpack import PACKABLE_BITS, packed_nbytes
+from . import launcher
+from .launcher import (
+    DTYPE_CODES,
+    KernelRunner,
+    check_dtype,
+    check_runner_device,
+    check_tensor,
+    default_runner,
+    pointer,
+    warps_grid,
+)
 
 SOURCE = "quantize.cu"
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}  # common.cuh's DTYPE_*
 STATS_DTYPES = (torch.float32, torch.bfloat16)
 MAX_WARPS_PER_BLOCK = 8
 SHARED_BYTES_PER_BLOCK = 32 * 1024  # below the 48 KiB a kernel gets without opting in
 MAX_GROUP_SIZE = SHARED_BYTES_PER_BLOCK // 4
-# Grid cap; kernels grid-stride over the groups beyond it (tests lower it to exercise that loop).
-MAX_BLOCKS = 1 << 20
 
 
 def supports(bits: int, group_size: int) -> bool:
@@ -51,7 +58,7 @@ def _launch_config(numel: int, group_size: int, staged: bool):
     warps = min(MAX_WARPS_PER_BLOCK, groups)
     if staged:
         warps = max(1, min(warps, SHARED_BYTES_PER_BLOCK // (4 * group_size)))
-    grid, block = warps_grid(groups, warps, MAX_BLOCKS)
+    grid, block = warps_grid(groups, warps, launcher.MAX_BLOCKS)
     return grid, block, (4 * group_size * warps if staged else 0)
 
 
@@ -92,8 +99,7 @@ def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor,
     _check_format(bits, group_size, mn.dtype)
     check_runner_device(runner, device)
     _check_packed(payload, mn, step, numel, bits, group_size, device)
-    if dtype not in DTYPE_CODES:
-        raise ValueError(f"dtype={dtype}; expected one of {', '.join(map(str, DTYPE_CODES))}")
+    check_dtype("dtype", dtype)
     out = torch.empty(numel, dtype=dtype, device=device) if out is None else out
     check_tensor("out", out, device=device, dtypes=(dtype,), numel=numel)
     if numel:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .._validate import check_choice
-from ..codecs._bitpack import pack_codes, unpack_codes
+from ..formats._bitpack import pack_codes, unpack_codes
 
 ALLOWED_BITS = (4, 8)
 # |gamma| floor of the code scale: a zero gamma gets a finite scale, so 0 * scale stays 0, never NaN

@@ -13,8 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .codecs.base import Codec
-from .optrack import FunctionCall
+from ..optrack import FunctionCall
+from .base import Codec
 
 OpRule = Callable[[torch.Tensor, FunctionCall], Optional[Codec]]
 OP_RULES: dict[Callable, OpRule] = {}
