@@ -5,7 +5,7 @@ does the same around any forward pass.
 """
 from __future__ import annotations
 
-from . import callbacks, codecs, nn
+from . import callbacks, codecs, model_prep, nn  # model_prep registers BLPA, HF checkpointing, CB2 attention
 from .config import LEVELS, ACTConfig, resolve_config
 from .engine import ActivationCompressor
 from .stats import CompressionStats, TensorRecord

@@ -10,8 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import warnings
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -144,6 +143,26 @@ def _storage_unit(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None, tuple]:
     return t.contiguous().reshape(-1), None, (ptr, t.dtype, t._version, _geometry(t))
 
 
+class ModelPreparation(Protocol):
+    """What a compressor does to its model besides the hooks (BLPA blocks, checkpoint routing, chunked
+    attention, warnings): registered with :func:`register_model_preparation`, so the engine knows none of it."""
+
+    def prepare(self, compressor: "ActivationCompressor") -> None:
+        """Once, when ``compressor`` is built."""
+
+    def forward_context(self, compressor: "ActivationCompressor") -> ContextManager[None]:
+        """Entered around every forward under ``compressor.compress()``."""
+
+
+_MODEL_PREPARATIONS: list[ModelPreparation] = []
+
+
+def register_model_preparation(preparation: ModelPreparation) -> None:
+    """Run ``preparation`` for every compressor built from now on (``lightning_act.model_prep`` registers at
+    import of the package)."""
+    _MODEL_PREPARATIONS.append(preparation)
+
+
 def _geometry(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.storage_offset()
 
@@ -183,18 +202,10 @@ class ActivationCompressor:
         self._step_number = 0
         self._last_step: _Step | None = None  # last completed step of any thread
         self._thread = threading.local()  # .step: running in this thread; .last: its last completed step
-        self._warned_checkpointing = False
         self.swap_store: SwapStore | None = SwapStore() if self.config.swap else None
-        self.blpa_blocks = 0
-        if model is not None and self.config.blpa_bits is not None:
-            from .nn.blpa import convert_bn_relu
-
-            self.blpa_blocks = convert_bn_relu(model, self.config.blpa_bits)
-        if model is not None and isinstance(model, getattr(torch._dynamo, "OptimizedModule", ())):
-            warnings.warn(
-                "lightning_act: the model is torch.compile'd; saved-tensor hooks run after the compiled forward, "
-                "so activations inside compiled regions are not compressed (pytorch#148222). Compress an "
-                "uncompiled model to save memory.", stacklevel=2)
+        self.blpa_blocks = 0  # set by the BLPA conversion (lightning_act.model_prep)
+        for preparation in _MODEL_PREPARATIONS:
+            preparation.prepare(self)
 
     # ---- public API -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -220,24 +231,10 @@ class ActivationCompressor:
 
     @contextlib.contextmanager
     def _model_contexts(self) -> Iterator[None]:
-        """HuggingFace layers checkpoint through the compressed checkpoint (all of them at CB1/CB2, the ones
-        the user enabled otherwise) and use chunked attention at CB2, for the duration of the forward."""
-        if self.model is None:
-            yield
-            return
-        from .checkpoint import use_compressed_checkpointing
-        from .nn.attention import use_chunked_attention
-
+        """The registered model preparations' contexts around one forward."""
         with contextlib.ExitStack() as stack:
-            routed = stack.enter_context(use_compressed_checkpointing(self.model, self, self.config.checkpointing))
-            if self.config.checkpointing and not routed and not self._warned_checkpointing:
-                self._warned_checkpointing = True
-                warnings.warn(
-                    f"lightning_act: opt_level={self.config.opt_level!r} checkpoints HuggingFace layers, and "
-                    f"{type(self.model).__name__} has none; wrap segments with lightning_act.checkpoint(fn, *args)",
-                    stacklevel=3)
-            if self.config.efficient_attention:
-                stack.enter_context(use_chunked_attention(self.model))
+            for preparation in _MODEL_PREPARATIONS:
+                stack.enter_context(preparation.forward_context(self))
             yield
 
     @contextlib.contextmanager

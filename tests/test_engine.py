@@ -262,3 +262,10 @@ def test_fresh_noise_every_step():
         grads.append(x.grad.clone())
     assert not torch.equal(*grads)
     assert compressor.step_number == 2
+
+
+def test_compiled_model_is_warned_about_at_the_users_line():
+    model = torch.compile(nn.Linear(4, 4))  # compiles lazily: building the wrapper is enough
+    with pytest.warns(UserWarning, match=r"torch.compile'd; saved-tensor hooks run after the compiled forward") as w:
+        act.ActivationCompressor(model, act.ACTConfig())
+    assert w[0].filename == __file__

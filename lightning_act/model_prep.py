@@ -1,0 +1,82 @@
+"""What a compressor does to its model besides the saved-tensor hooks, registered with the engine
+(:func:`lightning_act.engine.register_model_preparation`) so that the engine imports none of it:
+
+* BLPA: ``ACTConfig(blpa_bits=4|8)`` converts BatchNorm -> ReLU -> Conv/Linear runs into BLPA blocks once, when
+  the compressor is built (``compressor.blpa_blocks`` says how many);
+* ``torch.compile``: a compiled model gets a warning (its saved tensors are not compressed, pytorch#148222);
+* HuggingFace checkpointing: during each forward, layers that checkpoint go through the compressed checkpoint
+  (all checkpointable layers at CB1/CB2), with a warning when the level asks for checkpointing and the model
+  has no such layer;
+* CB2: chunked self-attention in HuggingFace models during each forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import Iterator
+
+import torch
+
+from .checkpoint import use_compressed_checkpointing
+from .engine import ActivationCompressor, register_model_preparation
+from .nn.attention import use_chunked_attention
+from .nn.blpa import convert_bn_relu
+
+
+class BLPAConversion:
+    """BLPA blocks replace the model's BatchNorm -> ReLU -> Conv/Linear runs (``ACTConfig.blpa_bits``)."""
+
+    def prepare(self, compressor: ActivationCompressor) -> None:
+        if compressor.model is not None and compressor.config.blpa_bits is not None:
+            compressor.blpa_blocks = convert_bn_relu(compressor.model, compressor.config.blpa_bits)
+
+    def forward_context(self, compressor: ActivationCompressor) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+class CompiledModelWarning:
+    """Say so when the model is ``torch.compile``'d instead of pretending to compress it."""
+
+    def prepare(self, compressor: ActivationCompressor) -> None:
+        if isinstance(compressor.model, getattr(torch._dynamo, "OptimizedModule", ())):
+            warnings.warn(
+                "lightning_act: the model is torch.compile'd; saved-tensor hooks run after the compiled forward, "
+                "so activations inside compiled regions are not compressed (pytorch#148222). Compress an "
+                "uncompiled model to save memory.", stacklevel=3)
+
+    def forward_context(self, compressor: ActivationCompressor) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+class HuggingFaceLayers:
+    """HuggingFace layers checkpoint through the compressed checkpoint (all of them at CB1/CB2, the ones the user
+    enabled otherwise) and use chunked attention at CB2, for the duration of the forward."""
+
+    def __init__(self):
+        self._warned: weakref.WeakSet = weakref.WeakSet()  # compressors told their model has nothing to checkpoint
+
+    def prepare(self, compressor: ActivationCompressor) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def forward_context(self, compressor: ActivationCompressor) -> Iterator[None]:
+        model, config = compressor.model, compressor.config
+        if model is None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            routed = stack.enter_context(use_compressed_checkpointing(model, compressor, config.checkpointing))
+            if config.checkpointing and not routed and compressor not in self._warned:
+                self._warned.add(compressor)
+                warnings.warn(
+                    f"lightning_act: opt_level={config.opt_level!r} checkpoints HuggingFace layers, and "
+                    f"{type(model).__name__} has none; wrap segments with lightning_act.checkpoint(fn, *args)",
+                    stacklevel=5)
+            if config.efficient_attention:
+                stack.enter_context(use_chunked_attention(model))
+            yield
+
+
+for _preparation in (BLPAConversion(), CompiledModelWarning(), HuggingFaceLayers()):
+    register_model_preparation(_preparation)
