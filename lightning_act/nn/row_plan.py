@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_act.nn.row_centric import ROW_DIM, RowCentric, _Segment
+from lightning_act.nn.row_executor import RowSegment, segment_stack
+from lightning_act.nn.row_ops import ROW_DIM
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def _nbytes(tensor: Tensor | None) -> int:
 
 
 @dataclass
-class _SegmentCost:
+class RowSegmentCost:
     input_bytes: int
     output_bytes: int
     forward_block: int
@@ -98,8 +99,8 @@ class _SegmentCost:
     tails: int
 
 
-def _segment_cost(segment: _Segment, x: Tensor, forward_rows: int, backward_rows: int,
-                  params: set[int]) -> tuple[_SegmentCost, Tensor]:
+def _segment_cost(segment: RowSegment, x: Tensor, forward_rows: int, backward_rows: int,
+                  params: set[int]) -> tuple[RowSegmentCost, Tensor]:
     segment.forward_rows, segment.backward_rows = forward_rows, backward_rows
     # The forward runs without grad; with grad on meta it reports each block's tensors instead.
     forward_record = _SavedBytes(params)
@@ -115,10 +116,10 @@ def _segment_cost(segment: _Segment, x: Tensor, forward_rows: int, backward_rows
         sizes = record.sizes.values()
         backward_block = max(backward_block, sum(sizes) + 2 * max(sizes, default=0))
     tails = sum(_nbytes(t) for t in saved)
-    return _SegmentCost(_nbytes(x), _nbytes(out), forward_block, backward_block, tails), out.detach()
+    return RowSegmentCost(_nbytes(x), _nbytes(out), forward_block, backward_block, tails), out.detach()
 
 
-def _estimate(segments: list[_Segment], x: Tensor, forward_rows: int, backward_rows: int,
+def _estimate(segments: list[RowSegment], x: Tensor, forward_rows: int, backward_rows: int,
               fixed_bytes: int, params: set[int]) -> tuple[int, int, int]:
     """(kept, forward peak, backward peak) bytes for the given granularities."""
     costs = []
@@ -167,8 +168,8 @@ def plan_rows(stack: nn.Sequential | Sequence[nn.Module], input_shape: Sequence[
                                      or budget_bytes <= 0):
         raise ValueError(f"budget_bytes={budget_bytes!r}; expected a positive integer")
     meta_stack = _meta_copy(stack if isinstance(stack, nn.Sequential) else nn.Sequential(*stack))
-    wrapper = RowCentric(meta_stack, rows=1 if rows is None else rows, mode=mode, checkpoint_groups=checkpoint_groups)
-    segments = wrapper._segments
+    # Cut exactly as RowCentric would, with the same argument checks (the row counts change later).
+    segments = segment_stack(meta_stack, 1 if rows is None else rows, mode, checkpoint_groups, None).segments
     params = {id(p) for p in meta_stack.parameters()}
     fixed = 2 * sum(_nbytes(p) for p in meta_stack.parameters())
     x = torch.empty(tuple(input_shape), device="meta", dtype=dtype)
@@ -195,7 +196,7 @@ def plan_rows(stack: nn.Sequential | Sequence[nn.Module], input_shape: Sequence[
                    kept, forward, backward, plain, budget_bytes)
 
 
-def _output_heights(segments: list[_Segment], x: Tensor) -> list[int]:
+def _output_heights(segments: list[RowSegment], x: Tensor) -> list[int]:
     heights, size = [], x.shape[ROW_DIM]
     for segment in segments:
         size = segment.op.out_size(size)
