@@ -31,7 +31,7 @@ from ..adapt.allocation import CANDIDATE_BITS, allocate_bits, compression_varian
 from ..adapt.sensitivity import GradientVariance, Layout, LayoutRecorder, SensitivityRound, TensorKey, \
     estimate_sensitivities
 from ..config import ACTConfig
-from ..engine import ActivationCompressor
+from ..engine import ActivationCompressor, PolicyHandle
 from .monitor import log_to_loggers
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class AutoPrecision(Callback):
         self.ddp_model = ddp_model
         self.compressor: ActivationCompressor | None = None
         self._recorder: LayoutRecorder | None = None
+        self._policy: PolicyHandle | None = None
         self.layout: Layout = ()
         self.bits: list[int] = []
         self.sensitivities: list[float] = []
@@ -84,9 +85,16 @@ class AutoPrecision(Callback):
     # ---- plain-PyTorch API -----------------------------------------------------------------------------
     def attach(self, compressor: ActivationCompressor) -> None:
         """Make ``compressor`` take its per-tensor bits from this allocation."""
+        self.detach()
         self.compressor = compressor
         self._recorder = LayoutRecorder(compressor)
-        compressor.bits_policy = self._recorder.wrap(self.bits_for)
+        self._policy = compressor.install_policy(bits=self._recorder.wrap(self.bits_for))
+
+    def detach(self) -> None:
+        """Take the allocation's ``bits_policy`` off the compressor (the allocation itself is kept)."""
+        if self._policy is not None:
+            self._policy.remove()
+            self._policy = None
 
     def setting(self, name: str) -> Any:
         """The effective ``adapt_interval`` / ``bit_budget`` / ``adapt_fraction`` / ``alert_ratio``."""
