@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import lightning_act as act
-from lightning_act.callbacks.auto_precision import AutoPrecision
+from lightning_act.adapt import AutoPrecision
 
 
 def cnn():
