@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import lightning_act as act
-from lightning_act.callbacks.auto_precision import AutoPrecision
+from lightning_act.adapt import AutoPrecision
 
 
 def cnn():
@@ -59,11 +59,10 @@ def gradient_variance(compressor, loss_fn, repeats: int) -> float:
     """Total variance of the flattened gradient over ``repeats`` stochastic-rounding seeds."""
     grads = []
     for seed in range(repeats):
-        compressor.noise_policy = lambda step, i, seed=seed: 7919 * seed + i
         compressor.model.zero_grad(set_to_none=True)
-        step_fn(compressor, loss_fn)()
+        with compressor.install_policy(noise=lambda step, i, seed=seed: 7919 * seed + i):
+            step_fn(compressor, loss_fn)()
         grads.append(torch.cat([p.grad.flatten() for p in compressor.model.parameters() if p.grad is not None]))
-    compressor.noise_policy = None
     stacked = torch.stack(grads).double()
     return float((stacked - stacked.mean(0)).pow(2).sum(1).mean())
 

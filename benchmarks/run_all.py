@@ -51,7 +51,7 @@ from torch import nn  # noqa: E402
 import lightning_act as act  # noqa: E402
 from bench_max_batch import search_in_children  # noqa: E402
 from lightning_act.adapt.error_bound import ErrorBoundController  # noqa: E402
-from lightning_act.callbacks.auto_precision import AutoPrecision  # noqa: E402
+from lightning_act.adapt import AutoPrecision  # noqa: E402
 import models  # noqa: E402
 from models import MachineLoad, alternating_steps, machine, publish, train_step  # noqa: E402
 

@@ -167,6 +167,42 @@ def _geometry(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.storage_offset()
 
 
+POLICY_SLOTS = ("bits", "codec", "noise")
+
+
+class PolicyHandle:
+    """Policies one :meth:`ActivationCompressor.install_policy` call installed; ``remove()`` (or leaving a
+    ``with`` block) takes them out. Removing twice does nothing."""
+
+    def __init__(self, compressor: "ActivationCompressor", policies: dict[str, Callable | None]):
+        self.compressor = compressor
+        self.policies = dict(policies)
+        self.removed = False
+
+    def remove(self) -> None:
+        self.removed = True
+        self.compressor._remove_policy(self)
+
+    def __enter__(self) -> "PolicyHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _policy_slot(slot: str, doc: str) -> property:
+    """A read-only policy attribute: assigning it raises with the way to install one."""
+    def get(self: "ActivationCompressor") -> Callable | None:
+        return self._policies[slot]
+
+    def refuse(self: "ActivationCompressor", value: object) -> None:
+        raise AttributeError(f"ActivationCompressor.{slot}_policy is read-only: use "
+                             f"handle = compressor.install_policy({slot}=...), and handle.remove() to restore "
+                             "the previous one")
+
+    return property(get, refuse, doc=doc)
+
+
 class ActivationCompressor:
     """Compress the tensors autograd saves during the forward passes run inside :meth:`compress`.
 
@@ -186,18 +222,20 @@ class ActivationCompressor:
     with its own step number (so its own stochastic-rounding noise) and records; :meth:`stats` returns the
     calling thread's last completed step. The policies (``bits_policy``, ``codec_policy``, ``noise_policy``)
     are shared: install and change them (auto-precision rounds, error-bound refreshes) from one thread.
+
+    Policies are read-only here; :meth:`install_policy` sets them and its handle's ``remove()`` restores them:
+    per-tensor bits for saved tensor ``(index, tensor)`` (auto-precision), a per-tensor codec (per-layer error
+    bounds), and the random-stream key for ``(step number, saved-tensor index)``; ``None`` (a slot's value, or
+    what a policy returns): the configured default, fresh noise every step.
     """
 
     def __init__(self, model: nn.Module | None = None, config: ACTConfig | str | dict | None = None):
         self.model = model
         self.config = resolve_config(config)
         self._codecs: dict[tuple[str, int | None], Codec] = {}
-        # Per-tensor overrides (auto-precision): bits for saved tensor (index, tensor), or None for the default.
-        self.bits_policy: Callable[[int, torch.Tensor], int | None] | None = None
-        # Per-tensor codec (e.g. per-layer error bounds): a codec for (index, tensor), or None for the default.
-        self.codec_policy: Callable[[int, torch.Tensor], Codec | None] | None = None
-        # Random-stream key for (step number, saved-tensor index); default: fresh noise every step.
-        self.noise_policy: Callable[[int, int], int] | None = None
+        # Installed policies (install_policy), oldest first; _policies: each slot's value from the newest of them.
+        self._policy_handles: list[PolicyHandle] = []
+        self._policies: dict[str, Callable | None] = dict.fromkeys(POLICY_SLOTS)
         self._step_lock = threading.Lock()  # step numbers are handed out once each, whichever thread asks
         self._step_number = 0
         self._last_step: _Step | None = None  # last completed step of any thread
@@ -285,13 +323,46 @@ class ActivationCompressor:
     def detached_steps(self) -> Iterator[None]:
         """Steps run inside leave no trace: the step counter, the last step's statistics and the policies are
         put back on exit (auto-precision's probe passes must not shift the real steps' noise keys)."""
-        saved = (self._step_number, self._last_step, getattr(self._thread, "last", None), self.bits_policy,
-                 self.codec_policy, self.noise_policy)
+        saved = (self._step_number, self._last_step, getattr(self._thread, "last", None))
+        handles = list(self._policy_handles)
         try:
             yield
         finally:
-            (self._step_number, self._last_step, self._thread.last, self.bits_policy, self.codec_policy,
-             self.noise_policy) = saved
+            self._step_number, self._last_step, self._thread.last = saved
+            for handle in self._policy_handles:
+                if handle not in handles:
+                    handle.removed = True  # installed inside and left there: taken out with the steps
+            self._set_policy_handles([h for h in handles if not h.removed])
+
+    def install_policy(self, **policies: Callable | None) -> "PolicyHandle":
+        """Install policies for some of the slots ``bits``, ``codec`` and ``noise`` (``None`` installs the
+        default) over what is there; returns a handle whose ``remove()`` (or the end of a ``with`` block around
+        it) takes them out again, restoring each slot to the newest policy still installed, or the default::
+
+            with compressor.install_policy(noise=lambda step, index: index):
+                ...
+
+        Nested installs shadow the outer ones slot by slot; removing a handle twice does nothing."""
+        unknown = sorted(set(policies) - set(POLICY_SLOTS))
+        if unknown:
+            raise TypeError(f"install_policy got unknown slot(s) {', '.join(unknown)}; expected some of "
+                            f"{', '.join(POLICY_SLOTS)}")
+        handle = PolicyHandle(self, policies)
+        self._set_policy_handles(self._policy_handles + [handle])
+        return handle
+
+    def _remove_policy(self, handle: "PolicyHandle") -> None:
+        self._set_policy_handles([h for h in self._policy_handles if h is not handle])
+
+    def _set_policy_handles(self, handles: list["PolicyHandle"]) -> None:
+        policies = dict.fromkeys(POLICY_SLOTS)
+        for handle in handles:
+            policies.update(handle.policies)
+        self._policy_handles, self._policies = handles, policies  # replaced whole: a reader sees old or new
+
+    bits_policy = _policy_slot("bits", "Bits for saved tensor ``(index, tensor)``, or ``None`` (the default).")
+    codec_policy = _policy_slot("codec", "Codec for saved tensor ``(index, tensor)``, or ``None`` (the default).")
+    noise_policy = _policy_slot("noise", "Random-stream key for ``(step number, saved-tensor index)``.")
 
     # ---- policy -------------------------------------------------------------------------------------------
     def _model_storages(self) -> set[int]:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from lightning_act import CompressionStats
-from lightning_act.callbacks.monitor import step_metrics, tensor_histograms
+from lightning_act.metrics import step_metrics, tensor_histograms
 
 
 @dataclass

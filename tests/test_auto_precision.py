@@ -120,13 +120,11 @@ def _gradient_variance(compressor, loss_fn, repeats=6) -> float:
     """Total variance of the gradient over stochastic-rounding seeds, same batch and parameters."""
     grads = []
     for seed in range(repeats):
-        compressor.noise_policy = lambda step, i, seed=seed: 7919 * seed + i
         compressor.model.zero_grad(set_to_none=True)
-        with compressor.compress():
+        with compressor.install_policy(noise=lambda step, i, seed=seed: 7919 * seed + i), compressor.compress():
             loss = loss_fn()
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in compressor.model.parameters() if p.grad is not None]))
-    compressor.noise_policy = None
     stacked = torch.stack(grads).double()
     return float((stacked - stacked.mean(0)).pow(2).sum(1).mean())
 

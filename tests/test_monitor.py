@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lightning_act as act
-from lightning_act.callbacks.monitor import step_metrics, tensor_histograms
+from lightning_act.metrics import step_metrics, tensor_histograms
 from lightning_act.stats import COMPRESSED, KEPT, CompressionStats, TensorRecord
 from tests.lightning_models import TinyCNN, random_loader
 from tests.test_lightning import TRAINER_ARGS, _MemoryLogger

@@ -46,6 +46,7 @@ from torch import nn
 from .._validate import check_int, check_positive_float
 from ..codecs import Codec
 from ..codecs.lorenzo import LorenzoCodec
+from ..engine import PolicyHandle
 
 PAPER_COEFFICIENT = 0.32
 PAPER_MOMENTUM_FRACTION = 0.01
@@ -170,19 +171,18 @@ class ErrorBoundController:
         self._running: list[tuple[str, torch.Tensor | None]] = []  # (layer, its input) innermost last
         self._handles: list = []
         self._codecs: dict[float, Codec] = {}
-        self._previous_policy = None
+        self._policy: PolicyHandle | None = None
         self._warned_no_momentum = False
 
     # ---- hooks ------------------------------------------------------------------------------------------
     def attach(self) -> "ErrorBoundController":
         """Install the module hooks and the compressor's ``codec_policy``."""
-        if self._handles:
+        if self._policy is not None:
             return self
         for module in self.layers.values():
             self._handles.append(module.register_forward_pre_hook(self._enter))
             self._handles.append(module.register_forward_hook(self._exit, always_call=True))
-        self._previous_policy = self.compressor.codec_policy
-        self.compressor.codec_policy = self
+        self._policy = self.compressor.install_policy(codec=self)
         return self
 
     def detach(self) -> None:
@@ -191,8 +191,9 @@ class ErrorBoundController:
             handle.remove()
         self._handles.clear()
         self._running.clear()
-        if self.compressor.codec_policy is self:
-            self.compressor.codec_policy = self._previous_policy
+        if self._policy is not None:
+            self._policy.remove()
+            self._policy = None
 
     def __enter__(self) -> "ErrorBoundController":
         return self.attach()

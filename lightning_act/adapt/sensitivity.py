@@ -56,7 +56,7 @@ Layout = tuple[TensorKey, ...]
 
 class LayoutRecorder:
     """Records which saved tensors of the current step the engine asked a ``bits_policy`` about, and gives the
-    layout of the last completed step. Wrap the policy: ``compressor.bits_policy = recorder.wrap(policy)``."""
+    layout of the last completed step. Wrap the policy: ``compressor.install_policy(bits=recorder.wrap(policy))``."""
 
     def __init__(self, compressor: ActivationCompressor):
         self.compressor = compressor
@@ -143,16 +143,20 @@ def estimate_sensitivities(compressor: ActivationCompressor, forward_backward_fn
     started = time.perf_counter()
     base = rng.mix32(round_seed ^ _PROBE_SALT)
     recorder = LayoutRecorder(compressor)
-    with preserved_training_state(compressor, params) as rewind:
-        compressor.bits_policy = recorder.wrap(lambda key: min(bits_for(key), PROBE_MAX_BITS))
+    probe_bits = recorder.wrap(lambda key: min(bits_for(key), PROBE_MAX_BITS))
+    with preserved_training_state(compressor, params) as rewind, compressor.install_policy(bits=probe_bits):
 
         def gradient(changed_index: int | None) -> list[torch.Tensor]:
             rewind()
             for p in params:
                 p.grad = None
-            compressor.noise_policy = lambda _step, i: rng.mix32(base ^ i) ^ (_CHANGED_KEY * (i == changed_index))
+
+            def noise(_step: int, i: int) -> int:
+                return rng.mix32(base ^ i) ^ (_CHANGED_KEY * (i == changed_index))
+
             before = compressor.step_number
-            with ddp_model.no_sync() if ddp_model is not None else contextlib.nullcontext():
+            with compressor.install_policy(noise=noise), \
+                    ddp_model.no_sync() if ddp_model is not None else contextlib.nullcontext():
                 forward_backward_fn()
             if compressor.step_number != before + 1:
                 raise ValueError(

@@ -7,8 +7,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ..adapt.error_bound import (DEFAULT_FALLBACK_ERROR_BOUND, DEFAULT_INTERVAL, PAPER_COEFFICIENT,
                                   PAPER_MOMENTUM_FRACTION, ErrorBoundController)
-
-PREFIX = "act/error_bound/"
+from ..metrics import error_bound_metrics
 
 
 class ErrorBoundCallback(Callback):
@@ -55,7 +54,7 @@ class ErrorBoundCallback(Callback):
         bounds = dict(self.controller.error_bounds)
         self.history.append((trainer.global_step, bounds))
         for logger in trainer.loggers:
-            logger.log_metrics({PREFIX + name: bound for name, bound in bounds.items()}, step=trainer.global_step)
+            logger.log_metrics(error_bound_metrics(bounds), step=trainer.global_step)
 
     def _detach(self) -> None:
         if self.controller is not None:

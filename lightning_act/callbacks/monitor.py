@@ -1,7 +1,8 @@
 """Log what the activation compressor did each training step.
 
-:func:`step_metrics` and :func:`tensor_histograms` turn one step's :class:`~lightning_act.CompressionStats` into
-the names every integration logs (Lightning here, HuggingFace and Accelerate in ``lightning_act.integrations``).
+:func:`~lightning_act.metrics.step_metrics` and :func:`~lightning_act.metrics.tensor_histograms` (re-exported
+here) turn one step's :class:`~lightning_act.CompressionStats` into the names every integration logs (Lightning
+here, HuggingFace and Accelerate in ``lightning_act.integrations``).
 """
 from __future__ import annotations
 
@@ -11,38 +12,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from ..stats import COMPRESSED, CompressionStats
+from ..metrics import PREFIX, step_metrics, tensor_histograms
 
-PREFIX = "act/"
-
-
-def step_metrics(stats: CompressionStats) -> dict[str, float]:
-    """Scalars of one step under ``act/``: ratio, original and stored bytes, average bits, compressed tensors,
-    and per codec ``act/codec/<name>/{original_bytes,stored_bytes,ratio}``."""
-    values = {
-        "compression_ratio": stats.ratio,
-        "original_bytes": float(stats.original_bytes),
-        "stored_bytes": float(stats.stored_bytes),
-        "average_bits": stats.average_bits,
-        "compressed_tensors": float(stats.num_compressed),
-    }
-    for codec, (original, stored) in stats.per_codec().items():
-        values[f"codec/{codec}/original_bytes"] = float(original)
-        values[f"codec/{codec}/stored_bytes"] = float(stored)
-        values[f"codec/{codec}/ratio"] = original / stored if stored else 1.0
-    return {PREFIX + k: v for k, v in values.items()}
-
-
-def tensor_histograms(stats: CompressionStats) -> dict[str, torch.Tensor]:
-    """Per compressed tensor: ``act/tensor_bits``, ``act/tensor_ratio`` and, for records that carry one (error-
-    bounded codecs), ``act/tensor_error_bound``. Empty series are left out."""
-    compressed = [r for r in stats.records if r.kind == COMPRESSED]
-    series = {
-        "tensor_bits": [r.bits for r in compressed],
-        "tensor_ratio": [r.original_bytes / r.stored_bytes for r in compressed if r.stored_bytes],
-        "tensor_error_bound": [r.error_bound for r in compressed if r.error_bound is not None],
-    }
-    return {PREFIX + k: torch.tensor(v, dtype=torch.float64) for k, v in series.items() if v}
+__all__ = ["PREFIX", "CompressionMonitor", "log_to_loggers", "step_metrics", "tensor_histograms"]
 
 
 def log_to_loggers(loggers, metrics: dict[str, float], histograms: dict[str, torch.Tensor], step: int) -> None:

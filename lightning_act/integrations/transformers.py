@@ -17,7 +17,7 @@ from transformers 5.23 and ``gradient_checkpointing`` before (then a deprecated 
 prefixes them with ``train/``.
 
 With an ``adaptive`` config (GACT's L1 and up, the default) the trainer runs auto-precision
-(:class:`~lightning_act.callbacks.AutoPrecision`): before the first micro-batch of every ``adapt_interval``-th
+(:class:`~lightning_act.adapt.AutoPrecision`): before the first micro-batch of every ``adapt_interval``-th
 optimizer step it re-estimates sensitivities on that micro-batch (extra forward/backward passes whose gradients,
 buffers and RNG are restored) and re-allocates bits. ``act_error_bound=True`` (or a dict of
 :class:`~lightning_act.adapt.error_bound.ErrorBoundController` options) adapts the ``lorenzo`` bounds of weight
@@ -34,11 +34,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..adapt.auto_precision import AutoPrecision
 from ..adapt.error_bound import ErrorBoundController
-from ..callbacks.auto_precision import AutoPrecision
-from ..callbacks.monitor import step_metrics
 from ..config import ACTConfig, resolve_config
 from ..engine import ActivationCompressor
+from ..metrics import step_metrics
 
 _CHECKPOINTING_ARG = ("activation_checkpointing"
                       if "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
