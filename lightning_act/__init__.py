@@ -5,7 +5,7 @@ does the same around any forward pass.
 """
 from __future__ import annotations
 
-from . import callbacks, codecs, model_prep, nn  # model_prep registers BLPA, HF checkpointing, CB2 attention
+from . import adapt, callbacks, codecs, metrics, model_prep, nn  # model_prep registers BLPA, HF checkpointing, CB2 attention
 from .config import LEVELS, ACTConfig, resolve_config
 from .engine import ActivationCompressor
 from .stats import CompressionStats, TensorRecord
@@ -15,5 +15,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ACTConfig", "ACTDDPStrategy", "ACTStrategy", "ActivationCompressor", "CompressionStats", "LEVELS",
-    "TensorRecord", "callbacks", "codecs", "nn", "resolve_config",
+    "TensorRecord", "adapt", "callbacks", "codecs", "metrics", "nn", "resolve_config",
 ]
