@@ -42,17 +42,29 @@ def active_compressor() -> "ActivationCompressor | None":
     return getattr(_ACTIVE, "compressor", None)
 
 
+# grad_fn class -> True (AccumulateGrad), False (a view or cast: walk on) or None (anything else); filled as
+# classes are met, so the pack hook compares class objects instead of names.
+_FN_KINDS: dict[type, bool | None] = {}
+
+
+def _fn_kind(cls: type) -> bool | None:
+    kind = _FN_KINDS.get(cls, ...)
+    if kind is ...:
+        name = cls.__name__
+        kind = True if name == "AccumulateGrad" else False if name.rstrip("0123456789") in _VIEW_OR_CAST_FNS else None
+        _FN_KINDS[cls] = kind
+    return kind
+
+
 def _derives_from_leaf(t: torch.Tensor) -> bool:
     """True when ``t`` is a leaf that requires grad, or a chain of views/casts of one."""
-    if t.grad_fn is None:
-        return t.requires_grad
     fn = t.grad_fn
+    if fn is None:
+        return t.requires_grad
     for _ in range(_MAX_VIEW_DEPTH):
-        name = type(fn).__name__
-        if name == "AccumulateGrad":
-            return True
-        if name.rstrip("0123456789") not in _VIEW_OR_CAST_FNS:
-            return False
+        kind = _fn_kind(type(fn))
+        if kind is not False:
+            return bool(kind)
         inputs = [f for f, _ in fn.next_functions if f is not None]
         if len(inputs) != 1:
             return False
@@ -287,7 +299,7 @@ class ActivationCompressor:
         outer = self.current_step
         self._thread.step = step
         if self.config.enabled and self.config.compress_masks and op_rules.OP_RULES:
-            step.tracker = FunctionTracker()
+            step.tracker = FunctionTracker(op_rules.OP_RULES)
         try:
             with contextlib.ExitStack() as stack:
                 if step.tracker is not None:
@@ -406,8 +418,8 @@ class ActivationCompressor:
     @staticmethod
     def _record(step, index, t, kind, codec, bits, original, stored, reason="", offloaded=False,
                 error_bound=None) -> None:
-        step.records.append(TensorRecord(index, tuple(t.shape), t.dtype, kind, codec, bits, original, stored,
-                                         reason, step.phase, offloaded, error_bound))
+        step.records.append(TensorRecord(index, t.shape, t.dtype, kind, codec, bits, original, stored, reason,
+                                         step.phase, offloaded, error_bound))
 
     def _keep(self, step: "_Step", index: int, t: torch.Tensor, reason: str, nbytes: int, watch=True) -> _Saved:
         self._record(step, index, t, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes, reason)
@@ -418,10 +430,10 @@ class ActivationCompressor:
         if t.layout != torch.strided:
             nbytes = sum(x.numel() * x.element_size() for x in _sparse_parts(t))
             return self._keep(step, index, t, "sparse", nbytes, watch=False)
-        if type(t) not in (torch.Tensor, nn.Parameter) or t.device.type == "meta":
-            return self._keep(step, index, t, f"{type(t).__name__} on {t.device.type}", 0, watch=False)
-        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in step.param_storages \
-                or _derives_from_leaf(t):
+        kind = type(t)
+        if (kind is not torch.Tensor and kind is not nn.Parameter) or t.is_meta:
+            return self._keep(step, index, t, f"{kind.__name__} on {t.device.type}", 0, watch=False)
+        if kind is nn.Parameter or t.untyped_storage().data_ptr() in step.param_storages or _derives_from_leaf(t):
             self._record(step, index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
             return _kept(t)
 

@@ -8,14 +8,12 @@ is disabled while it handles a call), which is what we want: ``F.relu`` is repor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Container, NamedTuple
 
 from torch.overrides import TorchFunctionMode
 
 
-@dataclass(frozen=True)
-class FunctionCall:
+class FunctionCall(NamedTuple):
     """The torch function being executed and the arguments it was called with."""
 
     func: Callable
@@ -24,14 +22,19 @@ class FunctionCall:
 
 
 class FunctionTracker(TorchFunctionMode):
-    """``current`` is the torch function call being executed (``None`` between calls)."""
+    """``current`` is the call being executed of one of ``functions`` (``None`` between such calls). Calls of
+    other functions run straight through: the mode costs one Python call per torch call, and recording only
+    the calls someone asks about keeps that cheap."""
 
-    def __init__(self) -> None:
+    def __init__(self, functions: Container[Callable]) -> None:
         super().__init__()
+        self.functions = functions
         self.current: FunctionCall | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
+        if func not in self.functions:
+            return func(*args, **kwargs)
         outer, self.current = self.current, FunctionCall(func, args, kwargs)
         try:
             return func(*args, **kwargs)

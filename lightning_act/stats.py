@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -13,12 +14,11 @@ PARAMETER = "parameter"  # a parameter or buffer, or a view/cast of one: not an 
 KEPT = "kept"  # kept as it is (integer, sparse, too small, ...): counted on both sides
 
 
-@dataclass(frozen=True)
-class TensorRecord:
-    """One saved tensor of a step."""
+class TensorRecord(NamedTuple):
+    """One saved tensor of a step (a named tuple: one is built per saved tensor, in the pack hook)."""
 
     index: int
-    shape: tuple[int, ...]
+    shape: torch.Size
     dtype: torch.dtype
     kind: str
     codec: str
