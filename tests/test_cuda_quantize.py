@@ -212,7 +212,7 @@ class FakeCupy:
     """Records what CupyRunner asks of CuPy; RawModule compiles the code it is given with the emulator."""
 
     def __init__(self, tmp_path):
-        self.modules, self.devices, self.streams, self.active_streams = [], [], [], []
+        self.modules, self.devices, self.streams, self.launch_streams = [], [], [], []
         fake = self
 
         class RawModule:
@@ -223,8 +223,8 @@ class FakeCupy:
                 self._module = EmulatedModule(source)
 
             def get_function(self, name):
-                def call(grid, block, args, *, shared_mem=0):
-                    assert fake.active_streams, "kernel launched outside the torch stream"
+                def call(grid, block, args, *, shared_mem=0, stream=None):
+                    fake.launch_streams.append(stream)
                     self._module.launch(name, grid, block, args, shared_mem)
                 return call
 
@@ -240,13 +240,8 @@ class FakeCupy:
 
         class ExternalStream:
             def __init__(self, ptr, device_id):
+                self.ptr = ptr
                 fake.streams.append((ptr, device_id))
-
-            def __enter__(self):
-                fake.active_streams.append(self)
-
-            def __exit__(self, *exc):
-                fake.active_streams.pop()
 
         self.RawModule = RawModule
         self.cuda = types.SimpleNamespace(Device=Device, ExternalStream=ExternalStream)
@@ -258,6 +253,7 @@ def test_cupy_runner_code_path_on_the_emulator(tmp_path, monkeypatch):
     fake = FakeCupy(tmp_path)
     monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=0xC0FFEE))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     runner = CupyRunner()
     runner.device_type = "cpu"  # the only change: let it take CPU tensors
     x = torch.randn(3, 500, dtype=torch.bfloat16)
@@ -269,7 +265,10 @@ def test_cupy_runner_code_path_on_the_emulator(tmp_path, monkeypatch):
         assert_same_bits(decoded, dequantize_reference(*expected, x.numel(), 4, 128, x.dtype))
     # one module per (source, device) compiled from the shipped source, every launch on the torch stream
     assert fake.modules == [(kernel_source("quantize.cu"), NVRTC_OPTIONS)]
-    assert fake.streams == [(0xC0FFEE, None)] * 4
+    # every launch on the torch stream, through one CuPy stream object built once; no device context is entered
+    # when torch's current device is the tensors' (the launch path runs several times per saved tensor)
+    assert fake.streams == [(0xC0FFEE, 0)]
+    assert [s.ptr for s in fake.launch_streams] == [0xC0FFEE] * 4 and fake.devices == []
 
 
 @pytest.mark.toolchain

@@ -1,6 +1,7 @@
 """The ``division`` codec: DIVISION's dual-precision form (:mod:`lightning_act.formats.division`)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,6 +39,9 @@ class DivisionCodec(Codec):
     dtypes = frozenset(FLOAT_DTYPES)
     logical_layout = True  # pools over the spatial dims of each (sample, channel) plane
     config_fields = ("seed", "backend")  # block size and residual bits keep DIVISION's defaults (B=8, Q=2)
+    # the kernels' checks ran once, here and in the engine: not again for every saved tensor
+    _encode_kernel = functools.partial(division_encode_cuda, checked=False)
+    _decode_kernel = functools.partial(division_decode_cuda, checked=False)
 
     def __init__(self, block_size: int = 8, bits: int = 2, seed: int = 0, backend: str = "auto"):
         check_int("block_size", block_size, minimum=1)
@@ -55,7 +59,7 @@ class DivisionCodec(Codec):
                      (("lfc", torch.bfloat16), ("payload", torch.uint8), ("mn", torch.bfloat16),
                       ("step", torch.bfloat16))}
             return Packed(self.name, x.shape, x.dtype, x.device, empty, meta)
-        encode = division_encode_cuda if self.runs_kernels(x) else division_encode_reference
+        encode = self._encode_kernel if self.runs_kernels(x) else division_encode_reference
         lfc, payload, mn, step = encode(x.reshape(planes, *spatial).contiguous(), self.block_size, self.bits,
                                         self.seed, key)
         return Packed(self.name, x.shape, x.dtype, x.device,
@@ -67,7 +71,7 @@ class DivisionCodec(Codec):
         b, m = packed.buffers, packed.meta
         args = (b["lfc"], b["payload"], b["mn"], b["step"], m["planes"], m["spatial"], m["block_size"], m["bits"],
                 packed.dtype)
-        decode = division_decode_cuda if self.runs_kernels(b["payload"], packed.dtype) else division_decode_reference
+        decode = self._decode_kernel if self.runs_kernels(b["payload"], packed.dtype) else division_decode_reference
         return decode(*args).view(packed.shape)
 
     def kernels_take(self, dtype: torch.dtype) -> bool:

@@ -2,6 +2,8 @@
 (:mod:`lightning_act.formats.quantize` is its specification), a bfloat16 cast at 16 bits, raw at 32."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._validate import check_choice, check_int
@@ -24,6 +26,9 @@ class QuantizeCodec(Codec):
     name = "quantize"
     dtypes = frozenset(FLOAT_DTYPES)
     config_fields = ("bits", "group_size", "stats_dtype", "seed", "backend")
+    # the kernels' checks ran once, here and in the engine: not again for every saved tensor
+    _encode_kernel = functools.partial(quantize_cuda, checked=False)
+    _decode_kernel = functools.partial(dequantize_cuda, checked=False)
 
     def __init__(self, bits: int = 4, group_size: int = 256, stats_dtype: str = "float32", seed: int = 0,
                  backend: str = "auto"):
@@ -43,7 +48,7 @@ class QuantizeCodec(Codec):
         if self.bits == 16:
             return Packed(self.name, x.shape, x.dtype, x.device, {"raw": canonical_nan_(x.to(torch.bfloat16))},
                           {"bits": 16})
-        encode = quantize_cuda if self.runs_kernels(x) else quantize_reference
+        encode = self._encode_kernel if self.runs_kernels(x) else quantize_reference
         payload, mn, step = encode(x.contiguous(), self.bits, self.group_size, self.stats_dtype, self.seed, key)
         return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "mn": mn, "step": step},
                       {"bits": self.bits, "group_size": self.group_size})
@@ -57,7 +62,7 @@ class QuantizeCodec(Codec):
         b = packed.buffers
         args = (b["payload"], b["mn"], b["step"], packed.numel, packed.meta["bits"], packed.meta["group_size"],
                 packed.dtype)
-        decode = dequantize_cuda if self.runs_kernels(b["payload"], packed.dtype) else dequantize_reference
+        decode = self._decode_kernel if self.runs_kernels(b["payload"], packed.dtype) else dequantize_reference
         return decode(*args).view(packed.shape)
 
     def kernels_take(self, dtype: torch.dtype) -> bool:

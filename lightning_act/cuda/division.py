@@ -15,7 +15,8 @@ from .. import rng
 from ..formats._bitpack import PACKABLE_BITS, packed_nbytes
 from ..formats.division import MAX_SPATIAL_DIMS, block_counts
 from . import launcher
-from .launcher import DTYPE_CODES, KernelRunner, check_dtype, check_runner_device, check_tensor, default_runner, pointer
+from .launcher import (DTYPE_CODES, KernelRunner, check_dtype, check_runner_device, check_tensor, default_runner,
+                       one_buffer, pointer)
 
 SOURCE = "division.cu"
 THREADS = 256
@@ -54,22 +55,26 @@ def _check_packed(lfc, payload, mn, step, planes: int, spatial: tuple[int, ...],
 
 
 def division_encode_cuda(x: torch.Tensor, block: int, bits: int, seed: int, key: int, *,
-                         runner: KernelRunner | None = None):
+                         runner: KernelRunner | None = None, checked: bool = True):
     """Encode kernels: ``(lfc, payload, mn, step)`` bit-identical to ``division_encode_reference`` for ``x``
-    (contiguous) viewed as ``planes x spatial``."""
+    (contiguous) viewed as ``planes x spatial``; views of one allocation. ``checked=False`` skips the argument
+    checks, for the codec, which checked the format once and passes contiguous tensors of a kernel dtype."""
     runner = runner or default_runner()
-    _check_bits(bits)
-    check_runner_device(runner, x.device)
-    check_tensor("x", x, device=x.device, dtypes=tuple(DTYPE_CODES))
-    if x.dim() < 2:
-        raise ValueError(f"x must be planes x spatial (2 to {MAX_SPATIAL_DIMS + 1} dims); got shape {tuple(x.shape)}")
+    if checked:
+        _check_bits(bits)
+        check_runner_device(runner, x.device)
+        check_tensor("x", x, device=x.device, dtypes=tuple(DTYPE_CODES))
+        if x.dim() < 2:
+            raise ValueError(f"x must be planes x spatial (2 to {MAX_SPATIAL_DIMS + 1} dims); got shape "
+                             f"{tuple(x.shape)}")
     planes, spatial = x.shape[0], tuple(x.shape[1:])
     layout = _layout_args(spatial, block)
     numel = x.numel()
-    new = lambda n, dtype: torch.empty(n, dtype=dtype, device=x.device)  # noqa: E731
-    lfc = torch.empty(planes, *block_counts(spatial, block), dtype=torch.bfloat16, device=x.device)
-    payload = new(packed_nbytes(numel, bits), torch.uint8)
-    mn, step = new(planes, torch.bfloat16), new(planes, torch.bfloat16)
+    blocks = block_counts(spatial, block)
+    lfc, payload, mn, step = one_buffer(x.device, (planes * math.prod(blocks), torch.bfloat16),
+                                        (packed_nbytes(numel, bits), torch.uint8), (planes, torch.bfloat16),
+                                        (planes, torch.bfloat16))
+    lfc = lfc.view(planes, *blocks)
     if numel:
         dtype = np.int32(DTYPE_CODES[x.dtype])
         grid, threads = _grid(lfc.numel())
@@ -86,16 +91,19 @@ def division_encode_cuda(x: torch.Tensor, block: int, bits: int, seed: int, key:
 
 
 def division_decode_cuda(lfc, payload, mn, step, planes: int, spatial: tuple[int, ...], block: int, bits: int,
-                         dtype: torch.dtype, *, runner: KernelRunner | None = None) -> torch.Tensor:
-    """Decode kernel: ``planes x spatial`` in ``dtype``, bit-identical to ``division_decode_reference``."""
+                         dtype: torch.dtype, *, runner: KernelRunner | None = None, checked: bool = True
+                         ) -> torch.Tensor:
+    """Decode kernel: ``planes x spatial`` in ``dtype``, bit-identical to ``division_decode_reference``.
+    ``checked=False``: as for :func:`division_encode_cuda`, for buffers this package's encode made."""
     runner = runner or default_runner()
     device = payload.device
-    _check_bits(bits)
-    check_runner_device(runner, device)
     spatial = tuple(spatial)
     layout = _layout_args(spatial, block)
-    _check_packed(lfc, payload, mn, step, planes, spatial, block, bits, device)
-    check_dtype("dtype", dtype)
+    if checked:
+        _check_bits(bits)
+        check_runner_device(runner, device)
+        _check_packed(lfc, payload, mn, step, planes, spatial, block, bits, device)
+        check_dtype("dtype", dtype)
     out = torch.empty(planes, *spatial, dtype=dtype, device=device)
     if out.numel():
         grid, threads = _grid(out.numel())

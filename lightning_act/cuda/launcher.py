@@ -55,7 +55,11 @@ class KernelRunner(Protocol):
 
 class CupyRunner:
     """Runs kernels with CuPy: one ``RawModule`` per (source, device), compiled on first use, launched on the
-    current torch CUDA stream of the tensors' device, without host synchronisation."""
+    current torch CUDA stream of the tensors' device, without host synchronisation.
+
+    A launch is on the hot path (several per saved tensor), so everything that can be is built once: the
+    compiled function per (source, kernel, device) and one CuPy stream object per torch stream; a CuPy device
+    context is entered only when torch's current device is not the tensors'."""
 
     device_type = "cuda"
 
@@ -65,6 +69,7 @@ class CupyRunner:
         self._cupy = require_cupy()
         self._modules = {}  # (source, device index) -> RawModule
         self._functions = {}  # (source, kernel, device index) -> Function
+        self._streams = {}  # (device index, raw cudaStream_t) -> cupy ExternalStream
 
     def _function(self, source: str, kernel: str, device_index: int):
         function_key = (source, kernel, device_index)
@@ -76,13 +81,24 @@ class CupyRunner:
             self._functions[function_key] = self._modules[module_key].get_function(kernel)
         return self._functions[function_key]
 
+    def _stream(self, device_index: int):
+        raw = torch.cuda.current_stream(device_index).cuda_stream
+        stream = self._streams.get((device_index, raw))
+        if stream is None:
+            stream = self._streams[(device_index, raw)] = self._cupy.cuda.ExternalStream(raw, device_index)
+        return stream
+
     def launch(self, source, kernel, grid, block, args, shared_mem, device):
-        cp = self._cupy
-        with cp.cuda.Device(device.index):
-            function = self._function(source, kernel, device.index)
-            stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
-            with stream:
-                function(grid, block, tuple(args), shared_mem=shared_mem)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index == torch.cuda.current_device():
+            self._launch(source, kernel, grid, block, args, shared_mem, index)
+        else:
+            with self._cupy.cuda.Device(index):
+                self._launch(source, kernel, grid, block, args, shared_mem, index)
+
+    def _launch(self, source, kernel, grid, block, args, shared_mem, index):
+        function = self._function(source, kernel, index)
+        function(grid, block, tuple(args), shared_mem=shared_mem, stream=self._stream(index))
 
 
 _default_runner: CupyRunner | None = None
@@ -116,6 +132,21 @@ def use_runner(runner: KernelRunner) -> Iterator[KernelRunner]:
         yield runner
     finally:
         _override = previous
+
+
+# Alignment of each part of a one_buffer allocation: 16 bytes lets kernels use vector loads and stores on it.
+PART_ALIGN = 16
+
+
+def one_buffer(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+    """Flat tensors of ``(numel, dtype)`` each, as views of ONE allocation, each part starting on a
+    ``PART_ALIGN`` boundary: an encoded form costs one allocator call, and its parts live and die together."""
+    offsets, total = [], 0
+    for numel, dtype in parts:
+        offsets.append(total)
+        total += -(-numel * dtype.itemsize // PART_ALIGN) * PART_ALIGN
+    storage = torch.empty(total, dtype=torch.uint8, device=device)
+    return [storage[o:o + numel * dtype.itemsize].view(dtype) for o, (numel, dtype) in zip(offsets, parts)]
 
 
 def pointer(t: torch.Tensor) -> np.uint64:

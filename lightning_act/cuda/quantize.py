@@ -18,6 +18,7 @@ from .launcher import (
     check_runner_device,
     check_tensor,
     default_runner,
+    one_buffer,
     pointer,
     warps_grid,
 )
@@ -63,25 +64,26 @@ def _launch_config(numel: int, group_size: int, staged: bool):
 
 
 def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int, *,
-                  runner: KernelRunner | None = None, out=None):
-    """Encode kernel: ``(payload uint8, mn, step)`` bit-identical to ``quantize_reference``.
+                  runner: KernelRunner | None = None, out=None, checked: bool = True):
+    """Encode kernel: ``(payload uint8, mn, step)`` bit-identical to ``quantize_reference``, views of one
+    allocation.
 
-    ``x`` must be contiguous; ``out`` may give preallocated ``(payload, mn, step)``."""
+    ``x`` must be contiguous; ``out`` may give preallocated ``(payload, mn, step)``. ``checked=False`` skips the
+    argument checks, for callers that checked the format once and pass contiguous tensors of a kernel dtype
+    (the codec: this runs for every saved tensor)."""
     runner = runner or default_runner()
-    _check_format(bits, group_size, stats_dtype)
-    check_runner_device(runner, x.device)
-    check_tensor("x", x, device=x.device, dtypes=tuple(DTYPE_CODES))
     numel = x.numel()
+    if checked:
+        _check_format(bits, group_size, stats_dtype)
+        check_runner_device(runner, x.device)
+        check_tensor("x", x, device=x.device, dtypes=tuple(DTYPE_CODES))
     if out is None:
-        out = (torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=x.device),
-               *(torch.empty(-(-numel // group_size), dtype=stats_dtype, device=x.device) for _ in range(2)))
+        groups = -(-numel // group_size)
+        out = one_buffer(x.device, (packed_nbytes(numel, bits), torch.uint8), (groups, stats_dtype),
+                         (groups, stats_dtype))
+    elif checked:
+        _check_out(out, numel, bits, group_size, stats_dtype, x.device)
     payload, mn, step = out
-    _check_packed(payload, mn, step, numel, bits, group_size, x.device)
-    if mn.dtype != stats_dtype:
-        raise ValueError(f"mn and step must have dtype {stats_dtype}; got {mn.dtype}")
-    if payload.data_ptr() % 4:
-        raise ValueError(f"payload must be 4-byte aligned (encode writes 32-bit words); got data_ptr % 4 == "
-                         f"{payload.data_ptr() % 4}")
     if numel:
         grid, block, shared = _launch_config(numel, group_size, staged=True)
         args = (pointer(x), np.int32(DTYPE_CODES[x.dtype]), np.int64(numel), np.int32(bits), np.int32(group_size),
@@ -91,17 +93,31 @@ def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
     return payload, mn, step
 
 
+def _check_out(out, numel: int, bits: int, group_size: int, stats_dtype: torch.dtype, device: torch.device) -> None:
+    payload, mn, step = out
+    _check_packed(payload, mn, step, numel, bits, group_size, device)
+    if mn.dtype != stats_dtype:
+        raise ValueError(f"mn and step must have dtype {stats_dtype}; got {mn.dtype}")
+    if payload.data_ptr() % 4:
+        raise ValueError(f"payload must be 4-byte aligned (encode writes 32-bit words); got data_ptr % 4 == "
+                         f"{payload.data_ptr() % 4}")
+
+
 def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel: int, bits: int,
-                    group_size: int, dtype: torch.dtype, *, runner: KernelRunner | None = None, out=None):
-    """Decode kernel: a flat tensor of ``numel`` elements in ``dtype``, bit-identical to ``dequantize_reference``."""
+                    group_size: int, dtype: torch.dtype, *, runner: KernelRunner | None = None, out=None,
+                    checked: bool = True):
+    """Decode kernel: a flat tensor of ``numel`` elements in ``dtype``, bit-identical to ``dequantize_reference``.
+    ``checked=False``: as for :func:`quantize_cuda`, for buffers this package's encode made."""
     runner = runner or default_runner()
     device = payload.device
-    _check_format(bits, group_size, mn.dtype)
-    check_runner_device(runner, device)
-    _check_packed(payload, mn, step, numel, bits, group_size, device)
-    check_dtype("dtype", dtype)
+    if checked:
+        _check_format(bits, group_size, mn.dtype)
+        check_runner_device(runner, device)
+        _check_packed(payload, mn, step, numel, bits, group_size, device)
+        check_dtype("dtype", dtype)
     out = torch.empty(numel, dtype=dtype, device=device) if out is None else out
-    check_tensor("out", out, device=device, dtypes=(dtype,), numel=numel)
+    if checked:
+        check_tensor("out", out, device=device, dtypes=(dtype,), numel=numel)
     if numel:
         grid, block, shared = _launch_config(numel, group_size, staged=False)
         args = (pointer(payload), pointer(mn), pointer(step), np.int32(DTYPE_CODES[mn.dtype]), np.int64(numel),
