@@ -406,3 +406,20 @@ def test_without_cupy_the_cupy_backend_says_how_to_install_it(codec):
         CODECS[codec]("cupy")
     with pytest.raises(ImportError, match=r"pip install"):
         quantize_cuda(torch.randn(64), 4, 256, torch.float32, 0, 0)
+
+
+@pytest.mark.parametrize("stats_dtype", STATS_DTYPES, ids=str)
+def test_encoded_parts_are_aligned_views_of_one_allocation(stats_dtype):
+    """One allocator call per encode (the launcher path runs for every saved tensor), each part 16-byte aligned
+    for vector loads, and the part sizes exactly the format's."""
+    payload, mn, step = quantize_cuda(torch.randn(1000), 2, 64, stats_dtype, 0, 0, runner=_NoLaunch())
+    assert payload.untyped_storage().data_ptr() == mn.untyped_storage().data_ptr() == step.untyped_storage().data_ptr()
+    assert all(t.data_ptr() % launcher.PART_ALIGN == 0 for t in (payload, mn, step))
+    assert (payload.numel(), mn.numel(), step.numel(), mn.dtype, step.dtype) == (250, 16, 16, stats_dtype, stats_dtype)
+
+
+class _NoLaunch:
+    device_type = "cpu"
+
+    def launch(self, *args):
+        pass

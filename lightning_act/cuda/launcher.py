@@ -141,12 +141,12 @@ PART_ALIGN = 16
 def one_buffer(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[torch.Tensor]:
     """Flat tensors of ``(numel, dtype)`` each, as views of ONE allocation, each part starting on a
     ``PART_ALIGN`` boundary: an encoded form costs one allocator call, and its parts live and die together."""
-    offsets, total = [], 0
+    sizes = []  # each part's bytes, then the padding to the next boundary: one split() cuts them all
     for numel, dtype in parts:
-        offsets.append(total)
-        total += -(-numel * dtype.itemsize // PART_ALIGN) * PART_ALIGN
-    storage = torch.empty(total, dtype=torch.uint8, device=device)
-    return [storage[o:o + numel * dtype.itemsize].view(dtype) for o, (numel, dtype) in zip(offsets, parts)]
+        nbytes = numel * dtype.itemsize
+        sizes += (nbytes, -nbytes % PART_ALIGN)
+    pieces = torch.empty(sum(sizes), dtype=torch.uint8, device=device).split(sizes)
+    return [piece if dtype == torch.uint8 else piece.view(dtype) for piece, (_, dtype) in zip(pieces[::2], parts)]
 
 
 def pointer(t: torch.Tensor) -> np.uint64:
