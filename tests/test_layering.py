@@ -46,7 +46,7 @@ def _offending(paths, forbidden) -> dict[str, list[str]]:
 
 def test_the_checked_files_exist():
     assert PACKAGE / "adapt" / "auto_precision.py" in NEUTRAL and len(NEUTRAL) >= 5
-    assert PACKAGE / "integrations" / "transformers.py" in CLIENTS and ROOT / "recipes" / "_summary.py" in CLIENTS
+    assert PACKAGE / "integrations" / "transformers.py" in CLIENTS and ROOT / "recipes" / "demo_digits.py" in CLIENTS
 
 
 def test_adapt_and_metrics_import_no_lightning_and_no_callbacks():
