@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 import lightning_act as act
-from models import resnet50
+from lightning_act.datasets import digits_tensors
+from lightning_act.models import resnet50
 
 
 def train_step(model: nn.Module, x: torch.Tensor, config: act.ACTConfig):
@@ -83,12 +84,9 @@ def mask_savings() -> list[tuple[str, str]]:
 
 
 def digits_accuracy(epochs: int) -> list[tuple[str, str]]:
-    from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target)
+    images, labels = digits_tensors()
     x_train, x_test, y_train, y_test = train_test_split(images, labels, test_size=0.3, random_state=0)
     accuracies = {}
     for label, config in (("plain", None), ("division", act.ACTConfig(codec="division"))):

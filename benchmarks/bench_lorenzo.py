@@ -18,17 +18,14 @@ from torch import nn
 
 import lightning_act as act
 from lightning_act.adapt.error_bound import ErrorBoundController
+from lightning_act.datasets import digits_tensors
 
 RELATIVE_BOUNDS = (1e-2, 1e-3, 1e-4)
 QUANTIZE_BITS = (2, 4)
 
 
 def digits(seed: int = 0):
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16
-    y = torch.tensor(data.target)
+    x, y = digits_tensors()
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     return x[perm[:1400]], y[perm[:1400]], x[perm[1400:]], y[perm[1400:]]
 

@@ -12,24 +12,21 @@ zeros outside the tile / sparse, bit planes sized like the codec's).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from lightning_act.datasets import mnist5k_tensors
 from lightning_act.formats.lorenzo import bit_length, encode_blocks, prequantize, working_bound
+from lightning_act.models import resnet8
 from models import machine, publish
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 
 def conv_activations() -> list[torch.Tensor]:
-    from cnn_image_classification import ImageClassifier, mnist5k_tensors
-
     torch.manual_seed(0)
     x, y = mnist5k_tensors()
-    model = ImageClassifier(1, 10, 16)
+    net = resnet8(1, 10, 16)
     saved = {}
 
     def pack(t):
@@ -38,7 +35,7 @@ def conv_activations() -> list[torch.Tensor]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        F.cross_entropy(model.net(x[:32]), y[:32]).backward()
+        F.cross_entropy(net(x[:32]), y[:32]).backward()
     return list(saved.values())
 
 

@@ -40,7 +40,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -52,11 +51,13 @@ import lightning_act as act  # noqa: E402
 from bench_max_batch import search_in_children  # noqa: E402
 from lightning_act.adapt.error_bound import ErrorBoundController  # noqa: E402
 from lightning_act.adapt import AutoPrecision  # noqa: E402
+from lightning_act.datasets import (ROTTEN_TOMATOES_LABELS, digits_loaders, drosophila,  # noqa: E402
+                                    minilm_model_dir, rotten_tomatoes)
+from lightning_act.models import DigitsCNN, gnn  # noqa: E402
 import models  # noqa: E402
 from models import MachineLoad, alternating_steps, machine, publish, train_step  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-RECIPES = HERE.parent / "recipes"
 SECTIONS = ("memory", "batch", "throughput", "accuracy")
 MiB = 2**20
 
@@ -282,22 +283,15 @@ def train_and_evaluate(model: nn.Module, optimizer, config: str, seed: int, batc
     return accuracy, statistics.mean(ratios) if ratios else 1.0
 
 
-def _recipe(name: str):
-    if str(RECIPES) not in sys.path:
-        sys.path.insert(0, str(RECIPES))
-    return importlib.import_module(name)
-
-
 def digits_task(epochs: int, steps: int | None):
-    """The demo's digits CNN, data split and learning rate (recipes/demo_digits.py); ``steps`` batches per
-    epoch (None: all)."""
-    recipe = _recipe("demo_digits")
+    """The demo's digits CNN, data split and learning rate (``DigitsCNN`` and ``digits_loaders``, as in
+    recipes/demo_digits.py); ``steps`` batches per epoch (None: all)."""
 
     def run(config: str, seed: int):
         torch.manual_seed(seed)
-        module = recipe.DigitsCNN()
+        module = DigitsCNN()
         model, optimizer = module.net, torch.optim.Adam(module.net.parameters(), lr=module.lr)
-        train, val = recipe.digits_loaders(64, seed)
+        train, val = digits_loaders(64, seed)
 
         def accuracy(m):
             return sum((m(x).argmax(1) == y).sum().item() for x, y in val) / sum(len(y) for _, y in val)
@@ -311,13 +305,13 @@ def digits_task(epochs: int, steps: int | None):
 
 def graph_task(epochs: int):
     """The GNN recipe's two-layer GCN (hidden 64, Adam lr 0.01, weight decay 5e-4, min_numel 256) full batch on
-    the drosophila connectome with the recipe's seeded split (recipes/gnn_node_classification.py)."""
-    recipe = _recipe("gnn_node_classification")
+    the drosophila connectome with the recipe's seeded split (``gnn("gcn", ...)`` and ``drosophila``, as in
+    recipes/gnn_node_classification.py)."""
 
     def run(config: str, seed: int):
-        data = recipe.drosophila(seed)
+        data = drosophila(seed)
         torch.manual_seed(seed)
-        model = recipe.build_model("gcn", data.num_features, 64, int(data.y.max()) + 1)
+        model = gnn("gcn", data.num_features, 64, int(data.y.max()) + 1)
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
 
         def loss(m, _):
@@ -334,17 +328,17 @@ def graph_task(epochs: int):
 
 
 def text_task(options: dict):
-    """The HF recipe's pretrained MiniLM on its Rotten Tomatoes snippets (recipes/hf_text_classification.py),
-    in a plain loop: the first ``train`` training snippets padded to ``length`` tokens, batches of ``batch``,
-    AdamW at ``lr``; accuracy on the first ``eval`` held-out snippets."""
-    recipe = _recipe("hf_text_classification")
+    """The HF recipe's pretrained MiniLM on its Rotten Tomatoes snippets (``minilm_model_dir`` and
+    ``rotten_tomatoes``, as in recipes/hf_text_classification.py), in a plain loop: the first ``train`` training
+    snippets padded to ``length`` tokens, batches of ``batch``, AdamW at ``lr``; accuracy on the first ``eval``
+    held-out snippets."""
     import transformers
 
-    model_dir = recipe.default_model_dir()
+    model_dir = minilm_model_dir()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
 
     def run(config: str, seed: int):
-        train_rows, eval_rows = recipe.rotten_tomatoes(seed)
+        train_rows, eval_rows = rotten_tomatoes(seed)
 
         def encode(rows, n):
             texts = tokenizer([r[0] for r in rows[:n]], truncation=True, max_length=options["length"],
@@ -354,7 +348,7 @@ def text_task(options: dict):
         (train_x, train_y), (eval_x, eval_y) = encode(train_rows, options["train"]), encode(eval_rows, options["eval"])
         torch.manual_seed(seed)
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            model_dir, num_labels=len(recipe.ROTTEN_TOMATOES_LABELS))
+            model_dir, num_labels=len(ROTTEN_TOMATOES_LABELS))
         optimizer = torch.optim.AdamW(model.parameters(), lr=options["lr"])
         order = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(seed))
 

@@ -2,7 +2,8 @@
 and of adapted error bounds.
 
 Framework neutral: the Lightning callbacks (``lightning_act.callbacks``), the HuggingFace and Accelerate
-integrations and the recipes log what these functions return, each through its own loggers.
+integrations and the recipes log what these functions return, each through its own loggers; ``write_stats``
+writes one step's scalars and histograms to a TensorBoard ``SummaryWriter`` (plain loops).
 """
 from __future__ import annotations
 
@@ -48,6 +49,15 @@ def tensor_histograms(stats: CompressionStats) -> dict[str, torch.Tensor]:
         "tensor_error_bound": [r.error_bound for r in compressed if r.error_bound is not None],
     }
     return {PREFIX + k: torch.tensor(v, dtype=torch.float64) for k, v in series.items() if v}
+
+
+def write_stats(writer, stats: CompressionStats, step: int) -> None:
+    """Log one step's ``step_metrics`` scalars and ``tensor_histograms`` to a TensorBoard ``SummaryWriter`` (or
+    anything with its ``add_scalar`` and ``add_histogram``)."""
+    for tag, value in step_metrics(stats).items():
+        writer.add_scalar(tag, value, step)
+    for tag, values in tensor_histograms(stats).items():
+        writer.add_histogram(tag, values, step)
 
 
 def adapt_metrics(auto: "AutoPrecision") -> dict[str, float]:

@@ -1,11 +1,23 @@
 """Reference models built without torchvision or a hub download (torchvision does not import beside every
-torch build): what the benchmarks, the tests and users comparing with published figures share."""
+torch build): what the recipes, the benchmarks, the tests and users comparing with published figures share.
+
+- ``resnet50(num_classes)``: ResNet-50, for comparisons with published figures
+- ``resnet8(in_channels, classes, width)``: a small ResNet for any image size (the CNN recipe's network)
+- ``DigitsCNN``: the demo's LightningModule, a three-conv CNN for 8x8 digits; ``ImageClassifierBase``: the
+  cross-entropy training and validation accuracy it shares with the CNN recipe's module
+- ``gnn(kind, in_dim, hidden, classes)``: a torch_geometric node classifier, one of ``GNN_MODELS`` (GCN, GAT,
+  GCNII, GraphSAGE; ``pip install 'lightning-act[gnn]'``)
+"""
 from __future__ import annotations
 
+import importlib.util
+
+import lightning as L
 import torch
 from torch import nn
 
 
+# ---- images ---------------------------------------------------------------------------------------------------
 class Bottleneck(nn.Module):
     """ResNet-50's bottleneck: 1x1 -> 3x3 (stride) -> 1x1 (x4 channels), BN after each, ReLU after the sum."""
 
@@ -34,3 +46,124 @@ def resnet50(num_classes: int = 1000) -> nn.Sequential:
             channels = 4 * width
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
     return nn.Sequential(*layers)
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: conv-BN-ReLU-conv-BN plus the (projected) input, then ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+        self.shortcut = (nn.Identity() if stride == 1 and cin == cout else
+                         nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.body(x) + self.shortcut(x))
+
+
+def resnet8(in_channels: int, classes: int, width: int = 16) -> nn.Sequential:
+    """A ResNet-8 style network for any image size: stem, three stages of basic blocks (width w, 2w, 4w; the
+    last two halve the resolution), global average pooling, linear head."""
+    w = width
+    return nn.Sequential(
+        nn.Conv2d(in_channels, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+        BasicBlock(w, w, 1), BasicBlock(w, 2 * w, 2), BasicBlock(2 * w, 4 * w, 2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, classes))
+
+
+class ImageClassifierBase(L.LightningModule):
+    """Cross-entropy training of ``self.net`` (set by the subclass, which also configures the optimizer);
+    validation counts correct predictions (``val_correct/val_total``) and logs ``val/accuracy``."""
+
+    val_correct = val_total = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_validation_epoch_start(self):
+        self.val_correct = self.val_total = 0
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_correct += (self.net(x).argmax(1) == y).sum().item()
+        self.val_total += len(y)
+
+    def on_validation_epoch_end(self):
+        self.log("val/accuracy", self.val_correct / max(1, self.val_total), prog_bar=True)
+
+
+class DigitsCNN(ImageClassifierBase):
+    """The demo's CNN for 1x8x8 digits (three convs, one max-pool, dropout, linear head), trained with Adam."""
+
+    def __init__(self, lr: float = 2e-3):
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2), nn.Linear(64 * 16, 10))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+# ---- graphs ---------------------------------------------------------------------------------------------------
+GNN_MODELS = ("gcn", "gat", "gcnii", "sage")
+
+
+class TwoLayerGNN(nn.Module):
+    """conv -> activation -> dropout -> conv: GCN, GAT (4 heads) or GraphSAGE."""
+
+    def __init__(self, kind: str, in_dim: int, hidden: int, classes: int, dropout: float = 0.5):
+        super().__init__()
+        from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+
+        if kind == "gat":
+            heads = 4
+            self.convs = nn.ModuleList([GATConv(in_dim, hidden // heads, heads=heads, dropout=dropout),
+                                        GATConv(hidden, classes, heads=1, dropout=dropout)])
+            self.act = nn.ELU()
+        else:
+            conv = {"gcn": GCNConv, "sage": SAGEConv}[kind]
+            self.convs = nn.ModuleList([conv(in_dim, hidden), conv(hidden, classes)])
+            self.act = nn.ReLU()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x, adj):
+        x = self.dropout(self.act(self.convs[0](self.dropout(x), adj)))
+        return self.convs[1](x, adj)
+
+
+class GCNII(nn.Module):
+    """GCNII (Chen et al. 2020): linear in, ``layers`` initial-residual + identity-mapping convs, linear out."""
+
+    def __init__(self, in_dim: int, hidden: int, classes: int, layers: int = 8, alpha: float = 0.1,
+                 theta: float = 0.5, dropout: float = 0.5):
+        super().__init__()
+        from torch_geometric.nn import GCN2Conv
+
+        self.lin_in, self.lin_out = nn.Linear(in_dim, hidden), nn.Linear(hidden, classes)
+        self.convs = nn.ModuleList([GCN2Conv(hidden, alpha, theta, layer=i + 1) for i in range(layers)])
+        self.act, self.dropout = nn.ReLU(), nn.Dropout(dropout)
+
+    def forward(self, x, adj):
+        x = x0 = self.act(self.lin_in(self.dropout(x)))
+        for conv in self.convs:
+            x = self.act(conv(self.dropout(x), x0, adj))
+        return self.lin_out(self.dropout(x))
+
+
+def gnn(kind: str, in_dim: int, hidden: int, classes: int) -> nn.Module:
+    """A node classifier of ``kind`` (one of ``GNN_MODELS``) taking ``(x, adj)``, ``adj`` an ``edge_index`` or a
+    sparse adjacency (``lightning_act.datasets.adjacency``)."""
+    if kind not in GNN_MODELS:
+        raise ValueError(f"unknown model {kind!r}; allowed: {', '.join(GNN_MODELS)}")
+    if importlib.util.find_spec("torch_geometric") is None:
+        raise ImportError("the GNN models need torch_geometric: pip install 'lightning-act[gnn]'")
+    return GCNII(in_dim, hidden, classes) if kind == "gcnii" else TwoLayerGNN(kind, in_dim, hidden, classes)

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _summary import RunResult, StepClock, summary_table, write_stats  # noqa: E402
-from demo_digits import DigitsCNN, digits_loaders  # noqa: E402
-
-import lightning_act as act  # noqa: E402
-from lightning_act.integrations import compress_forward, unpatch  # noqa: E402
+import lightning_act as act
+from lightning_act.datasets import digits_loaders
+from lightning_act.integrations import compress_forward, unpatch
+from lightning_act.metrics import write_stats
+from lightning_act.models import DigitsCNN
+from lightning_act.reporting import RunResult, StepClock, summary_table
 
 
 def train(args, compress: bool) -> RunResult:

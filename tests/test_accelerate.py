@@ -20,6 +20,7 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402
 
 from lightning_act.integrations import compress_forward, unpatch  # noqa: E402
+from tests.accelerate_models import mlp, random_batches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,28 +33,18 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 4))
-
-
-def _batches(n=4, batch=16):
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(batch, 32, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(n)]
-
-
 def _params(model):
     return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
 
 
 def test_context_api_bf16_with_gradient_accumulation():
     accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
-    model = _mlp()
+    model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     compressor = act.ActivationCompressor(accelerator.unwrap_model(model), act.ACTConfig(bits=4))
     before, steps_taken = _params(model), 0
-    for x, y in _batches():
+    for x, y in random_batches():
         with accelerator.accumulate(model):
             with compressor.compress():
                 loss = nn.functional.cross_entropy(model(x), y)
@@ -70,9 +61,9 @@ def test_context_api_bf16_with_gradient_accumulation():
 
 def test_compress_forward_gradients_close_and_unpatch_restores():
     accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
-    model = accelerator.prepare(_mlp())
+    model = accelerator.prepare(mlp())
     autocast_forward = model.__dict__["forward"]  # Accelerate's own patch
-    x, y = _batches(1)[0]
+    x, y = random_batches(1)[0]
 
     def grad():
         model.zero_grad(set_to_none=True)
@@ -94,7 +85,7 @@ def test_compress_forward_gradients_close_and_unpatch_restores():
 
 
 def test_patched_forward_leaves_no_active_context_when_it_raises():
-    model = _mlp()
+    model = mlp()
     compressor = compress_forward(model)
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
         model(torch.randn(2, 5))
@@ -106,7 +97,7 @@ def test_patched_forward_leaves_no_active_context_when_it_raises():
 
 
 def test_patch_errors():
-    model = _mlp()
+    model = mlp()
     with pytest.raises(ValueError, match="Sequential is not patched by compress_forward; nothing to unpatch"):
         unpatch(model)
     compress_forward(model)
@@ -116,20 +107,19 @@ def test_patch_errors():
 
 
 _TWO_PROCESS_SCRIPT = """
-import json, sys, torch
+import json, torch
 from torch import nn
-sys.path.insert(0, {root!r})
 import accelerate, lightning_act as act
 from lightning_act.integrations import compress_forward, unpatch
-from tests.test_accelerate import _batches, _mlp
+from tests.accelerate_models import mlp, random_batches
 
 accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
-model = _mlp()
+model = mlp()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model, optimizer = accelerator.prepare(model, optimizer)
 compressor = compress_forward(model, act.ACTConfig(bits=4))
 ratios = []
-for x, y in _batches()[accelerator.process_index::2]:
+for x, y in random_batches()[accelerator.process_index::2]:
     with accelerator.accumulate(model):
         accelerator.backward(nn.functional.cross_entropy(model(x), y))
         optimizer.step()
@@ -155,10 +145,10 @@ def _free_port() -> int:
 
 def test_two_cpu_processes_with_torchrun(tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(_TWO_PROCESS_SCRIPT.format(root=str(ROOT), out=str(tmp_path))))
+    script.write_text(textwrap.dedent(_TWO_PROCESS_SCRIPT.format(out=str(tmp_path))))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(_free_port()), str(script)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # the ranks import tests.accelerate_models
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

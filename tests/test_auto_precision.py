@@ -350,17 +350,13 @@ def test_tensorboard_gets_bits_and_sensitivity_histograms(tmp_path):
 def test_ddp_two_processes_end_with_identical_assignments(tmp_path: Path):
     script = tmp_path / "ddp_auto.py"
     script.write_text(textwrap.dedent(f"""
-        import json, sys, torch
-        sys.path.insert(0, {str(ROOT)!r})
+        import json, torch
         import lightning as L
-        import lightning_act as act
         from lightning_act.callbacks.auto_precision import AutoPrecision
-        from tests.lightning_models import TinyCNN, random_loader
+        from tests.lightning_models import TRAINER_ARGS, TinyCNN, random_loader
         torch.manual_seed(0)
         auto = AutoPrecision(adapt_interval=1, bit_budget=3)
-        trainer = L.Trainer(strategy="act_ddp", devices=2, accelerator="cpu", max_epochs=1, logger=False,
-                            callbacks=[auto], enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)
+        trainer = L.Trainer(strategy="act_ddp", devices=2, callbacks=[auto], **TRAINER_ARGS)
         model = TinyCNN()
         trainer.fit(model, random_loader(seed=trainer.global_rank))
         with open({str(tmp_path)!r} + f"/rank{{trainer.global_rank}}.json", "w") as f:

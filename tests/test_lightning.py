@@ -9,13 +9,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
 
 import lightning_act as act
-from tests.lightning_models import TinyCNN, random_loader
+from tests.lightning_models import TRAINER_ARGS, MemoryLogger, TinyCNN, random_loader
 
-TRAINER_ARGS = dict(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bits_by_codec(stats):
@@ -81,26 +79,8 @@ def test_l0_strategy_matches_plain_training_exactly():
     assert torch.equal(*results)
 
 
-class _MemoryLogger(Logger):
-    def __init__(self):
-        super().__init__()
-        self.metrics: list[tuple[int, dict]] = []
-
-    name, version = "memory", 0
-
-    @property
-    def experiment(self):
-        return None
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-
 def test_compression_monitor_logs_ratio():
-    logger = _MemoryLogger()
+    logger = MemoryLogger()
     args = {**TRAINER_ARGS, "logger": logger, "log_every_n_steps": 1}
     trainer = L.Trainer(strategy="act", callbacks=[act.callbacks.CompressionMonitor()], **args)
     trainer.fit(TinyCNN(), random_loader())
@@ -128,15 +108,13 @@ def test_registered_in_pytorch_lightning_too():
 def test_act_ddp_two_processes_both_compress(tmp_path: Path):
     script = tmp_path / "ddp_run.py"
     script.write_text(textwrap.dedent(f"""
-        import json, sys, torch
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        import json, torch
         import lightning as L
         import lightning_act as act
-        from tests.lightning_models import TinyCNN, random_loader
+        from tests.lightning_models import TRAINER_ARGS, TinyCNN, random_loader
         torch.manual_seed(0)
         model = TinyCNN()
-        trainer = L.Trainer(strategy="act_ddp", devices=2, accelerator="cpu", max_epochs=1, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(strategy="act_ddp", devices=2, **TRAINER_ARGS)
         assert isinstance(trainer.strategy, act.ACTDDPStrategy)
         trainer.fit(model, random_loader())
         out = {{"rank": trainer.global_rank, "ratios": model.compressed_ratios,
@@ -146,7 +124,7 @@ def test_act_ddp_two_processes_both_compress(tmp_path: Path):
         if torch.distributed.is_initialized():  # gloo threads abort at exit otherwise
             torch.distributed.destroy_process_group()
     """))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the script imports tests.lightning_models
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

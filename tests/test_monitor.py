@@ -7,8 +7,7 @@ import torch
 import lightning_act as act
 from lightning_act.metrics import step_metrics, tensor_histograms
 from lightning_act.stats import COMPRESSED, KEPT, CompressionStats, TensorRecord
-from tests.lightning_models import TinyCNN, random_loader
-from tests.test_lightning import TRAINER_ARGS, _MemoryLogger
+from tests.lightning_models import TRAINER_ARGS, MemoryLogger, TinyCNN, random_loader
 
 
 def _record(kind, codec, bits, original, stored, index=0):
@@ -56,7 +55,7 @@ class _CheckingCNN(TinyCNN):
 
 
 def test_logged_scalars_equal_the_compressor_statistics_once_per_step():
-    logger = _MemoryLogger()
+    logger = MemoryLogger()
     model = _CheckingCNN()
     trainer = L.Trainer(strategy="act", callbacks=[act.callbacks.CompressionMonitor(log_every_n_steps=1)],
                         **{**TRAINER_ARGS, "logger": logger, "accumulate_grad_batches": 2})

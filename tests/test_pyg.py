@@ -1,18 +1,15 @@
 """torch_geometric GCN, GAT, GCNII and GraphSAGE under compression: gradients, what the policy keeps (int64 indices,
 sparse adjacencies), training, and ``LayerStats`` per-layer attribution."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import lightning_act as act
+from lightning_act.datasets import adjacency, synthetic_sbm
+from lightning_act.models import GNN_MODELS, gnn
 from lightning_act.stats import COMPRESSED, KEPT
 
 pytest.importorskip("torch_geometric")
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse")  # torch's beta notices for CSR tensors
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from gnn_node_classification import MODELS, adjacency, build_model, synthetic_sbm  # noqa: E402
 
 from lightning_act.integrations import LayerStats  # noqa: E402
 from lightning_act.integrations.pyg import OUTSIDE  # noqa: E402
@@ -25,7 +22,7 @@ def graph():
 
 def _model(kind, data):
     torch.manual_seed(0)
-    return build_model(kind, data.num_features, 32, 2)
+    return gnn(kind, data.num_features, 32, 2)
 
 
 def _loss(model, data, adj):
@@ -46,7 +43,7 @@ def _grad(model, data, adj, compressor=None):
 
 
 # GAT turns a sparse adjacency back into indices; GCN and GraphSAGE save the sparse tensor itself
-@pytest.mark.parametrize("kind, adj_kind", [(k, "edge_index") for k in MODELS] + [("gcn", "sparse"), ("sage", "sparse")])
+@pytest.mark.parametrize("kind, adj_kind", [(k, "edge_index") for k in GNN_MODELS] + [("gcn", "sparse"), ("sage", "sparse")])
 def test_gradients_close_and_per_layer_stats_add_up(graph, kind, adj_kind):
     model = _model(kind, graph).train()
     adj = adjacency(graph, adj_kind)
@@ -73,7 +70,7 @@ def test_gradients_close_and_per_layer_stats_add_up(graph, kind, adj_kind):
     assert set(per_layer) <= set(layers.layers) | {OUTSIDE}
 
 
-@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("kind", GNN_MODELS)
 def test_trains_under_4_bit_compression(graph, kind):
     model = _model(kind, graph)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)

@@ -1,13 +1,15 @@
-"""What the recipes share: step timing, TensorBoard writing of one step's statistics, and the
-baseline-vs-compressed summary table."""
+"""Baseline-vs-compressed reporting, as the recipes and benchmarks print it: one ``RunResult`` per training run
+(accuracy, per-step wall times, the compressed run's statistics), step timing (``StepClock`` around any step,
+``StepTimer`` for Lightning's training batches) and ``summary_table``, the Markdown table that compares two runs."""
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass, field
 
-from lightning_act import CompressionStats
-from lightning_act.metrics import step_metrics, tensor_histograms
+import lightning as L
+
+from .stats import CompressionStats
 
 
 @dataclass
@@ -26,25 +28,34 @@ class RunResult:
 
 
 class StepClock:
-    """``with clock: step()`` appends the step's wall time to ``clock.times``."""
+    """``with clock: step()`` (or ``clock.start()`` ... ``clock.stop()``) appends the step's wall time to
+    ``clock.times``."""
 
     def __init__(self):
         self.times: list[float] = []
 
-    def __enter__(self):
+    def start(self) -> None:
         self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+    def __enter__(self):
+        self.start()
         return self
 
     def __exit__(self, *exc):
-        self.times.append(time.perf_counter() - self._start)
+        self.stop()
 
 
-def write_stats(writer, stats: CompressionStats, step: int) -> None:
-    """Log one step's ``act/`` scalars and per-tensor histograms to a TensorBoard ``SummaryWriter``."""
-    for tag, value in step_metrics(stats).items():
-        writer.add_scalar(tag, value, step)
-    for tag, values in tensor_histograms(stats).items():
-        writer.add_histogram(tag, values, step)
+class StepTimer(StepClock, L.Callback):
+    """Lightning callback: the wall time of each training batch (forward, backward, optimizer step) in ``times``."""
+
+    def on_train_batch_start(self, *args):
+        self.start()
+
+    def on_train_batch_end(self, *args):
+        self.stop()
 
 
 def summary_table(title: str, baseline: RunResult, compressed: RunResult) -> str:
