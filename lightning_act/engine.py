@@ -388,13 +388,13 @@ class ActivationCompressor:
         for its dtype (1 bit for bool tensors), else the configured codec at the bits the ``bits_policy`` assigns."""
         dtype_codec = codecs.dtype_codec(t.dtype)
         if dtype_codec is not None:
-            return self._codec(dtype_codec)
+            return self.codec(dtype_codec)
         if self.codec_policy is not None:
             codec = self.codec_policy(index, t)
             if codec is not None:
                 return codec
         bits = self.bits_policy(index, t) if self.bits_policy is not None else None
-        return self._codec(self.config.codec, bits)
+        return self.codec(self.config.codec, bits)
 
     def noise_key(self, index: int, step: "_Step | None" = None) -> int:
         """Random-stream key of saved tensor ``index`` in ``step`` (default: this thread's current step)."""
@@ -403,9 +403,9 @@ class ActivationCompressor:
             return self.noise_policy(number, index)
         return rng.mix32(number) ^ index
 
-    def _codec(self, name: str, bits: int | None = None) -> Codec:
-        """Codec ``name`` (built once): the configured codec with the config's options, ``bits`` overriding the
-        config's (auto-precision); any other codec with its defaults."""
+    def codec(self, name: str, bits: int | None = None) -> Codec:
+        """Codec ``name``, built once per compressor: the configured codec with the config's options, ``bits``
+        overriding the config's (auto-precision, the memory-budget planner); any other codec with its defaults."""
         key = (name, bits)
         codec = self._codecs.get(key)
         if codec is None:
@@ -471,7 +471,7 @@ class ActivationCompressor:
         """The codec for an activation, or ``None`` and the reason it is kept as it is."""
         if not self.config.enabled:
             if self.config.swap and t.is_floating_point() and unit.numel() >= max(self.config.min_numel, 1):
-                return self._codec("none"), ""  # swap the uncompressed tensor
+                return self.codec("none"), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
         codec = None
         if step.tracker is not None and unit.numel() >= self.config.min_numel:

@@ -83,7 +83,7 @@ def test_codec_registry_lists_names_on_unknown():
 def test_codec_options_reach_the_codec_and_fields_stay_with_the_config():
     cfg = act.ACTConfig(codec="division", codec_options={"block_size": 4, "bits": 4}, seed=3)
     assert cfg.codec_kwargs() == {"seed": 3, "backend": "auto", "block_size": 4, "bits": 4}
-    codec = act.ActivationCompressor(None, cfg)._codec("division")
+    codec = act.ActivationCompressor(None, cfg).codec("division")
     assert (codec.block_size, codec.bits, codec.seed) == (4, 4, 3)
     # division keeps DIVISION's Q=2 residual unless told: the config's bits are quantize's
     assert act.ACTConfig(codec="division", bits=8).codec_kwargs() == {"seed": 0, "backend": "auto"}
