@@ -94,9 +94,9 @@ def test_the_guard_lets_device_side_work_through():
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CODECS = {
-    **{f"quantize{bits}": dict(name="quantize", bits=bits) for bits in (1, 2, 4, 8)},
-    "division": dict(name="division"),
-    "lorenzo": dict(name="lorenzo", error_bound=1e-2),
+    **{f"quantize{bits}": {"name": "quantize", "bits": bits} for bits in (1, 2, 4, 8)},
+    "division": {"name": "division"},
+    "lorenzo": {"name": "lorenzo", "error_bound": 1e-2},
 }
 
 
