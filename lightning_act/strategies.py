@@ -46,23 +46,27 @@ class _ACTStrategyMixin:
 
     def connect(self, model: Any) -> None:
         """Attach the module; with ``adaptive`` (GACT's L1 and up) also add an ``AutoPrecision`` callback to the
-        Trainer unless one is there, so the levels mean what GACT's Table 1 says without further setup."""
+        Trainer unless one is there, so the levels mean what GACT's Table 1 says without further setup; with a
+        ``memory_budget`` likewise a ``MemoryBudget`` callback."""
         super().connect(model)
         trainer = getattr(model, "_trainer", None)
-        if not self.act_config.adaptive or trainer is None:
+        if trainer is None:
             return
         from .callbacks.auto_precision import AutoPrecision
+        from .callbacks.memory_budget import MemoryBudget
 
-        if any(isinstance(c, AutoPrecision) for c in trainer.callbacks):
-            return
-        if not model.automatic_optimization:
-            warnings.warn(
-                "lightning_act: auto-precision replays training_step, which steps the optimizer under manual "
-                f"optimization; every tensor gets the fixed bits={self.act_config.bits}. Call "
-                "AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn) from training_step to adapt, "
-                "or pass ACTConfig(adaptive=False) to silence this.", stacklevel=2)
-            return
-        trainer.callbacks.append(AutoPrecision())
+        if self.act_config.adaptive and not any(isinstance(c, AutoPrecision) for c in trainer.callbacks):
+            if model.automatic_optimization:
+                trainer.callbacks.append(AutoPrecision())
+            else:
+                warnings.warn(
+                    "lightning_act: auto-precision replays training_step, which steps the optimizer under manual "
+                    f"optimization; every tensor gets the fixed bits={self.act_config.bits}. Call "
+                    "AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn) from training_step to adapt, "
+                    "or pass ACTConfig(adaptive=False) to silence this.", stacklevel=2)
+        if self.act_config.memory_budget is not None and not any(isinstance(c, MemoryBudget)
+                                                                 for c in trainer.callbacks):
+            trainer.callbacks.append(MemoryBudget())
 
 
 def _build(pl_name: str) -> tuple[type, type]:
