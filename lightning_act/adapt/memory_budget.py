@@ -117,7 +117,7 @@ class BudgetPlan:
     def table(self) -> str:
         """One line per unit: saved MiB, option, stored MiB, estimated time; then the totals."""
         mib = 2.0 ** 20
-        rows = [f"| unit | saved MiB | option | stored MiB | est. ms |", "|---|---|---|---|---|"]
+        rows = ["| unit | saved MiB | option | stored MiB | est. ms |", "|---|---|---|---|---|"]
         for name, option in self.options.items():
             unit = self.units[name]
             rows.append(f"| {name} | {unit.kept_bytes / mib:.2f} | {option} | {unit.stored_bytes(option) / mib:.2f} | "
