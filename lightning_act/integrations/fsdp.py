@@ -100,7 +100,7 @@ class _ParameterWindow:
 
 def shard_blocks(module: nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> list[nn.Module]:
     """``fully_shard`` each block of every ``nn.ModuleList`` in ``module`` (all-gathered one block at a time),
-    then each child of ``module`` that holds parameters (the rest: embeddings, heads). ``module`` itself is not
+    then each child of ``module`` that holds parameters outside those blocks (embeddings, heads). ``module`` itself is not
     sharded: Lightning calls ``training_step``, not its forward, so FSDP's root hooks would never run on it.
     Returns the sharded modules, blocks first.
 
@@ -116,7 +116,8 @@ def shard_blocks(module: nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> lis
               if any(True for _ in block.parameters())]
     for block in blocks:
         fully_shard(block, mesh=mesh, **fsdp_kwargs)
-    children = [c for c in module.children() if any(True for _ in c.parameters())]
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    children = [c for c in module.children() if any(id(p) not in in_blocks for p in c.parameters())]
     for child in children:
         fully_shard(child, mesh=mesh, **fsdp_kwargs)
     return blocks + children
