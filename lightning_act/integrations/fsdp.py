@@ -3,11 +3,10 @@
 In a sharded forward each FSDP module all-gathers its parameters into unsharded copies just before its forward
 (FSDP's pre-forward hook) and frees them after it (or keeps them for backward: the root, or
 ``reshard_after_forward=False``). Those copies are what ops save for backward: ``Linear`` saves ``weight.t()``,
-a fused projection saves chunks of its weight. :class:`FSDPParameters`, registered with the engine by
-``lightning_act.model_prep``, counts their storages as parameters while their module's forward runs, so every
-view of them passes through exactly and counts as a parameter in the statistics, whatever op made the view.
-(Outside those windows, in a checkpoint's recomputation during backward, the engine's own test still
-recognises them: FSDP's unsharded parameters are leaves that accumulate gradients.)
+a fused projection saves chunks of its weight (``SplitBackward``, which the engine's walk to ``AccumulateGrad``
+does not pass). :class:`FSDPParameters`, registered with the engine by ``lightning_act.model_prep``, counts their
+storages as parameters while their module's forward runs, in the forward and in a compressed checkpoint's
+recomputation, so every view of them passes through exactly and counts as a parameter in the statistics.
 
 :func:`shard_blocks` is what ``Trainer(strategy="act_fsdp")`` applies when ``configure_model`` called no
 ``fully_shard``: each block of every ``nn.ModuleList`` (transformer layers), then every child of the module.
@@ -19,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator
+import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,43 +48,50 @@ def _own_parameter_holders(module: nn.Module) -> list[nn.Module]:
 
 
 class FSDPParameters:
-    """During each forward under ``compress()``, the storages of the parameters an FSDP module has all-gathered
-    count as parameters of the running step from its pre-forward (after FSDP's own, which unshards them) to its
-    post-forward, when FSDP may free them and their memory may hold activations next."""
+    """The storages of the parameters an FSDP module has all-gathered count as parameters of the compressor's
+    running step (a forward under ``compress()`` or a checkpoint's recomputation in backward) from the module's
+    pre-forward (after FSDP's own, which unshards them) to its post-forward, when FSDP may free them and their
+    memory may hold activations next.
+
+    The hooks go on the FSDP modules at the first forward that finds them and stay while the compressor lives
+    (recomputations run in backward, after the forward's context has closed); they hold the compressor weakly
+    and are removed when it is collected."""
+
+    def __init__(self):
+        self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # compressor -> hooked modules
 
     def prepare(self, compressor: ActivationCompressor) -> None:
         pass
 
-    @contextlib.contextmanager
-    def forward_context(self, compressor: ActivationCompressor) -> Iterator[None]:
+    def forward_context(self, compressor: ActivationCompressor) -> contextlib.AbstractContextManager[None]:
         modules = fsdp_modules(compressor.model) if compressor.model is not None else []
-        if not modules:
-            yield
-            return
-        handles = []
-        try:
-            for module in modules:
-                window = _ParameterWindow(compressor, _own_parameter_holders(module))
-                handles.append(module.register_forward_pre_hook(window.open))
-                handles.append(module.register_forward_hook(window.close))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+        hooked = self._hooked.setdefault(compressor, weakref.WeakSet())
+        for module in modules:
+            if module in hooked:
+                continue
+            hooked.add(module)
+            window = _ParameterWindow(weakref.ref(compressor), _own_parameter_holders(module))
+            for handle in (module.register_forward_pre_hook(window.open), module.register_forward_hook(window.close)):
+                weakref.finalize(compressor, handle.remove)
+        return contextlib.nullcontext()
 
 
 class _ParameterWindow:
     """Adds the unsharded parameters of one FSDP group to the running step's parameter storages, and takes
     exactly those out again (a stack: a module may run several times in one forward)."""
 
-    def __init__(self, compressor: ActivationCompressor, holders: list[nn.Module]):
+    def __init__(self, compressor: weakref.ref, holders: list[nn.Module]):
         self.compressor = compressor
         self.holders = holders
         self.added: list[set[int]] = []
 
+    def _step(self) -> Any:
+        compressor = self.compressor()
+        return compressor.current_step if compressor is not None else None
+
     def open(self, module: nn.Module, args: Any) -> None:
-        step = self.compressor.current_step
-        if step is None:  # a forward outside compress() (auto-precision's probes run inside it)
+        step = self._step()
+        if step is None:  # a forward outside compress() and recomputations (evaluation)
             return
         ptrs = {p.untyped_storage().data_ptr() for holder in self.holders for p in holder._parameters.values()
                 if p is not None and type(p) in (torch.Tensor, nn.Parameter)} - step.param_storages  # unsharded ones
@@ -92,7 +99,7 @@ class _ParameterWindow:
         self.added.append(ptrs)
 
     def close(self, module: nn.Module, args: Any, output: Any) -> None:
-        step = self.compressor.current_step
+        step = self._step()
         if step is None or not self.added:
             return
         step.param_storages -= self.added.pop()
