@@ -130,6 +130,7 @@ def train_fsdp(args, compress: bool, train_set, eval_set, num_labels: int) -> Ru
     torch.manual_seed(args.seed)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels)
+    model.train()  # from_pretrained returns it in eval mode, which Lightning keeps (no dropout, no checkpointing)
     if args.gradient_checkpointing:  # the compressed run routes these layers through the compressed checkpoint
         model.gradient_checkpointing_enable()
     module = ShardedClassifier(model, args.lr)

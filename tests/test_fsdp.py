@@ -167,21 +167,47 @@ WORKER = textwrap.dedent('''
     out["dtensor"] = {"records": [[r.kind, r.reason] for r in compressor.stats().records],
                       "grad_exact": bool(torch.equal(leaf.grad.full_tensor(), 4 * leaf.full_tensor()))}
 
+    if len(sys.argv) > 2:  # the HF recipe end to end in these two processes (the model folder is argv[2])
+        import hf_text_classification
+        import transformers
+
+        baseline, compressed = hf_text_classification.main(
+            ["--strategy", "act_fsdp", "--devices", "2", "--train-samples", "16", "--eval-samples", "16",
+             "--max-length", "16", "--max-steps", "1", "--batch-size", "4", "--gradient-checkpointing",
+             "--report-to", "none", "--logdir", os.path.join(OUT, "hf")])
+        config = transformers.AutoConfig.from_pretrained(sys.argv[2])
+        h, i = config.hidden_size, config.intermediate_size
+        out["recipe"] = {"accuracies": [baseline.accuracy, compressed.accuracy], "ratio": compressed.stats.ratio,
+                         "records": [[r.kind, list(r.shape), r.codec, r.phase] for r in compressed.stats.records],
+                         "weight_shapes": [[h, h], [i, h], [h, i]]}
+
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     torch.distributed.destroy_process_group()  # gloo threads abort at exit otherwise
 ''')
 
 
+def _minilm() -> list[str]:
+    """The offline MiniLM's folder (installed with --no-deps), or nothing: the recipe run is then left out."""
+    from lightning_act import datasets
+
+    try:
+        datasets.rotten_tomatoes(0)
+        return [datasets.minilm_model_dir()]
+    except ImportError:
+        return []
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    """Both ranks' results of one two-process run (about 45 s on 2 busy cores)."""
+    """Both ranks' results of one two-process run (about 60 s on 2 busy cores, the HF recipe included)."""
     folder = tmp_path_factory.mktemp("fsdp")
     script = folder / "fsdp_worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # Lightning's second rank re-runs the script: same imports
-    proc = subprocess.run([sys.executable, str(script), str(folder)], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=240)
+    # Lightning's second rank re-runs the script with the same imports; the recipes folder is on pytest's path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "recipes")]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(folder), *_minilm()], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -261,3 +287,17 @@ def test_dtensor_saved_for_backward_is_kept_exactly(ranks):
     for r in ranks:
         assert r["dtensor"]["records"] == [["kept", "DTensor on cpu"], ["parameter", ""]]  # doubled, then leaf
         assert r["dtensor"]["grad_exact"] is True
+
+
+def test_hf_recipe_with_act_fsdp_end_to_end(ranks):
+    if "recipe" not in ranks[0]:
+        pytest.skip("the offline MiniLM or Rotten Tomatoes package is not installed")
+    for r in ranks:
+        recipe = r["recipe"]
+        assert all(0.0 <= a <= 1.0 for a in recipe["accuracies"]) and recipe["ratio"] > 4
+        weights = {tuple(s) for s in recipe["weight_shapes"]}
+        compressed = [tuple(rec[1]) for rec in recipe["records"] if rec[0] == "compressed"]
+        assert compressed and not weights & set(compressed)
+        # --gradient-checkpointing: the encoder layers went through the compressed checkpoint (CB1)
+        assert any(rec[3] == "recompute" and rec[0] == "compressed" for rec in recipe["records"])
+        assert any(rec[3] == "recompute" and rec[0] == "parameter" for rec in recipe["records"])
