@@ -14,6 +14,6 @@ from .strategies import ACTDDPStrategy, ACTFSDPStrategy, ACTStrategy
 __version__ = "0.1.0"
 
 __all__ = [
-    "ACTConfig", "ACTDDPStrategy", "ACTFSDPStrategy", "ACTStrategy", "ActivationCompressor", "CompressionStats", "LEVELS",
-    "TensorRecord", "adapt", "callbacks", "codecs", "metrics", "nn", "resolve_config",
+    "ACTConfig", "ACTDDPStrategy", "ACTFSDPStrategy", "ACTStrategy", "ActivationCompressor", "CompressionStats",
+    "LEVELS", "TensorRecord", "adapt", "callbacks", "codecs", "metrics", "nn", "resolve_config",
 ]

@@ -50,7 +50,8 @@ WORKER = textwrap.dedent('''
     class TinyTransformer(L.LightningModule):
         def __init__(self, checkpointing=None, d=24):
             super().__init__()
-            self.embed, self.blocks, self.head = nn.Embedding(32, d), nn.ModuleList(Block(d) for _ in range(2)), nn.Linear(d, 5)
+            self.embed, self.head = nn.Embedding(32, d), nn.Linear(d, 5)
+            self.blocks = nn.ModuleList(Block(d) for _ in range(2))
             self.checkpointing = checkpointing
             self.losses, self.grads, self.records, self.ratios = [], [], [], []
 

@@ -71,7 +71,8 @@ class FSDPParameters:
                 continue
             hooked.add(module)
             window = _ParameterWindow(weakref.ref(compressor), _own_parameter_holders(module))
-            for handle in (module.register_forward_pre_hook(window.open), module.register_forward_hook(window.close)):
+            for handle in (module.register_forward_pre_hook(window.open),
+                           module.register_forward_hook(window.close, always_call=True)):  # also when forward raises
                 weakref.finalize(compressor, handle.remove)
         return contextlib.nullcontext()
 
@@ -107,8 +108,8 @@ class _ParameterWindow:
 
 def shard_blocks(module: nn.Module, mesh: Any = None, **fsdp_kwargs: Any) -> list[nn.Module]:
     """``fully_shard`` each block of every ``nn.ModuleList`` in ``module`` (all-gathered one block at a time),
-    then each child of ``module`` that holds parameters outside those blocks (embeddings, heads). ``module`` itself is not
-    sharded: Lightning calls ``training_step``, not its forward, so FSDP's root hooks would never run on it.
+    then each child of ``module`` that holds parameters outside those blocks (embeddings, heads). ``module`` itself
+    is not sharded: Lightning calls ``training_step``, not its forward, so FSDP's root hooks would never run on it.
     Returns the sharded modules, blocks first.
 
     Raises ``ValueError`` when ``module`` holds parameters of its own (they would be neither sharded nor
