@@ -168,6 +168,26 @@ WORKER = textwrap.dedent('''
     out["dtensor"] = {"records": [[r.kind, r.reason] for r in compressor.stats().records],
                       "grad_exact": bool(torch.equal(leaf.grad.full_tensor(), 4 * leaf.full_tensor()))}
 
+    from torch.distributed.fsdp import fully_shard
+
+    class Failing(nn.Linear):  # reads the open window, then raises
+        def forward(self, x):
+            step = compressor.current_step
+            self.seen = self.weight.untyped_storage().data_ptr() in step.param_storages
+            raise RuntimeError("forward failed")
+
+    failing = Failing(8, 8)
+    fully_shard(failing)
+    compressor = act.ActivationCompressor(failing, act.ACTConfig(bits=4, adaptive=False))
+    with compressor.compress():
+        before = set(compressor.current_step.param_storages)
+        try:
+            failing(torch.randn(2, 8))
+        except RuntimeError:
+            pass
+        out["window"] = {"open_in_forward": failing.seen,
+                         "closed_after_raise": compressor.current_step.param_storages == before}
+
     if len(sys.argv) > 2:  # the HF recipe end to end in these two processes (the model folder is argv[2])
         import hf_text_classification
         import transformers
@@ -302,3 +322,8 @@ def test_hf_recipe_with_act_fsdp_end_to_end(ranks):
         # --gradient-checkpointing: the encoder layers went through the compressed checkpoint (CB1)
         assert any(rec[3] == "recompute" and rec[0] == "compressed" for rec in recipe["records"])
         assert any(rec[3] == "recompute" and rec[0] == "parameter" for rec in recipe["records"])
+
+
+def test_all_gathered_weights_are_parameters_during_forward_only(ranks):
+    for r in ranks:
+        assert r["window"] == {"open_in_forward": True, "closed_after_raise": True}
