@@ -82,8 +82,10 @@ def test_shortfall_warns_with_the_numbers_and_keeps_the_most_aggressive_plan():
                                             r"[0-9.]+ MiB, [0-9.]+ MiB short"):
         plan = planner.plan(step)
     planner.remove()
-    assert not plan.fits
-    assert "keep" not in {option for name, option in plan.options.items() if plan.units[name].kept_bytes > 0}
+    assert not plan.fits and plan.measured_peak_bytes > 64 * 1024
+    # the plan is at least as small as every unit at 2 bits (checkpointing is taken where it saves more)
+    all_q2 = plan.base_bytes + sum(unit.stored_bytes("q2") for unit in plan.units.values())
+    assert plan.predicted_peak_bytes <= all_q2
 
 
 def test_remove_restores_forwards_and_policies_and_training_state():
@@ -91,37 +93,40 @@ def test_remove_restores_forwards_and_policies_and_training_state():
     compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False))
     _, _, step = peaks(model, loss_fn, compressor)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}  # from peaks()
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    planner = MemoryBudget(compressor, 1)  # everything checkpointed or at 2 bits
+    planner = MemoryBudget(compressor, 1)  # everything at 2 bits or checkpointed
     with pytest.warns(RuntimeWarning):
-        plan = planner.plan(step)
-    assert "checkpoint" in plan.options.values()
+        planner.plan(step)
     assert compressor.codec_policy is not None
-    assert any("forward" in unit.__dict__ for unit in planner.units.values())
+    planner.apply({name: "checkpoint" for name in planner.units})
+    assert all("forward" in unit.__dict__ for unit in planner.units.values())
     planner.remove()
     assert compressor.codec_policy is None
     assert not any("forward" in unit.__dict__ for unit in planner.units.values())
-    assert all(p.grad is None for p in model.parameters())  # the profiling passes' gradients are put back
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())  # profiling's are put back
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())  # BatchNorm statistics too
 
 
-def test_a_checkpointed_plan_keeps_the_gradients_of_a_quantized_one_close():
+def test_checkpointed_units_give_gradients_close_to_kept_ones_but_further_than_four_bits():
     model, loss_fn = small_resnet()
-    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=8, adaptive=False))
+    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False))
     planner = MemoryBudget(compressor, 1 << 40)
     grads = {}
-    for options in ({name: "keep" for name in [*planner.units, OUTSIDE]},
-                    {**{name: "checkpoint" for name in planner.units}, OUTSIDE: "keep"}):
-        planner.apply(options)
+    for option in ("keep", "q4", "checkpoint"):
+        planner.apply({**{name: option for name in planner.units}, OUTSIDE: "keep"})
         model.zero_grad(set_to_none=True)
         with compressor.compress():
             loss = loss_fn()
         loss.backward()
-        grads[options[next(iter(planner.units))]] = [p.grad.clone() for p in model.parameters()]
+        grads[option] = torch.cat([p.grad.flatten() for p in model.parameters()])
         planner.remove()
-    for kept, recomputed in zip(grads["keep"], grads["checkpoint"]):
-        assert torch.allclose(kept, recomputed, rtol=0.1, atol=1e-2 * kept.abs().max().item() + 1e-6)
+    similarity = {option: torch.nn.functional.cosine_similarity(grads["keep"], grads[option], dim=0).item()
+                  for option in ("q4", "checkpoint")}
+    # recomputing from 4-bit inputs perturbs every recomputed tensor (ReLU masks, BatchNorm statistics): further
+    # from the exact gradient than storing each tensor at 4 bits, which the planner's accuracy cost accounts for
+    assert similarity["q4"] > 0.99 and 0.9 < similarity["checkpoint"] < similarity["q4"]
 
 
 def _profiles():
@@ -144,8 +149,8 @@ def test_solver_meets_the_target_at_the_least_cost_and_prefers_eight_bits_when_t
     plan = planner._solve(profiles, 0, 0, 6 * mib, 1e-9, float("inf"), torch.device("cpu"))
     assert plan.fits and plan.predicted_peak_bytes <= 6 * mib
     assert {plan.options["a"], plan.options["b"]} <= {"q8", "q4"}
-    # 1 MiB: only checkpointing both (inputs at 4 bits) fits; swap is CUDA-only
-    plan = planner._solve(profiles, 0, 0, 1 * mib, 1e-9, float("inf"), torch.device("cpu"))
+    # 0.5 MiB: only checkpointing both (inputs at 4 bits) fits; swap is CUDA-only
+    plan = planner._solve(profiles, 0, 0, mib // 2, 1e-9, float("inf"), torch.device("cpu"))
     assert plan.fits and plan.options["a"] == plan.options["b"] == "checkpoint"
     # the base alone exceeds the target: the plan does not fit and says so
     plan = planner._solve(profiles, 2 * mib, 0, 1 * mib, 1e-9, float("inf"), torch.device("cpu"))
