@@ -2,8 +2,11 @@
 
 Every random draw is a pure function of ``(seed, stream key, element index)``, so the torch path and the
 CUDA kernels produce the same bits, and a single tensor's noise can be fixed or changed on purpose (GACT's
-sensitivity estimation, Algorithm 1, needs exactly that). All arithmetic is on 32-bit words; the torch
-implementation holds them in int64 with multipliers below 2**31, so no product overflows.
+sensitivity estimation, Algorithm 1, needs exactly that). All arithmetic is on 32-bit words. The specification
+(:func:`mix32_tensor`, :func:`uniform24`) holds them in int64 with multipliers below 2**31, so no product
+overflows; the fast path the codecs run (:func:`uniform24_codes_`) computes the same words in int32 with
+wraparound (two's complement multiplication keeps the low 32 bits, logical shifts are arithmetic shifts
+masked), in buffers the caller reuses.
 
 The CUDA kernels (``lightning_act/cuda/*.cu``) implement the same ``mix32`` / ``stream_base`` /
 ``uniform24`` functions; this module is their specification.
@@ -17,8 +20,14 @@ MASK32 = 0xFFFFFFFF
 _MUL1 = 0x21F0AAAD
 _MUL2 = 0x735A2D97
 _SEED_SALT = 0x9E3779B9
-# Elements hashed per torch chunk: bounds the int64 temporaries to a few MiB whatever the tensor size.
+# Elements hashed per chunk by the specification: bounds its int64 temporaries whatever the tensor size.
 CHUNK_ELEMENTS = 1 << 20
+_INT32_SPAN = 1 << 31  # a fast-path segment never crosses a multiple of 2**31: its int32 words never overflow
+
+
+def _signed32(word: int) -> int:
+    """A 32-bit word as the int32 value with the same bits."""
+    return word - (1 << 32) if word >= _INT32_SPAN else word
 
 
 def mix32(x: int) -> int:
@@ -65,5 +74,30 @@ def uniform24(base: int, start: int, count: int, device: torch.device | str = "c
         h = mix32_tensor(lo)
         h >>= 8
         torch.mul(h, 2.0**-24, out=out[pos : pos + n])
+        pos += n
+    return out
+
+
+def uniform24_codes_(base: int, start: int, out: torch.Tensor, scratch: torch.Tensor,
+                     counter: torch.Tensor) -> torch.Tensor:
+    """The integers ``k`` of :func:`uniform24` (``uniform24 = k * 2**-24``) for element indices ``start ..
+    start + out.numel() - 1``, written into the int32 tensor ``out``; ``scratch`` is an int32 tensor of the same
+    size, ``counter`` holds ``0, 1, 2, ...`` in int32, at least as many. Bit-identical to :func:`uniform24`, in
+    15 int32 passes and no allocation."""
+    pos, count = 0, out.numel()
+    while pos < count:
+        index = start + pos
+        n = min(count - pos, _INT32_SPAN - (index % _INT32_SPAN))
+        words = out[pos : pos + n]
+        lo = _signed32(index & MASK32)
+        torch.add(counter[:n], lo, out=words)  # faster than arange
+        words ^= _signed32(mix32(base ^ (index >> 32)))
+        t = scratch[pos : pos + n]
+        for shift, mask, multiplier in ((16, 0xFFFF, _MUL1), (15, 0x1FFFF, _MUL2), (15, 0x1FFFF, None)):
+            torch.bitwise_right_shift(words, shift, out=t)
+            words ^= t.bitwise_and_(mask)
+            if multiplier is not None:
+                words.mul_(multiplier)  # int32: wraps modulo 2**32, the low 32 bits of the product
+        words.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF)
         pos += n
     return out
