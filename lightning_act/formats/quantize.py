@@ -175,13 +175,13 @@ def decode_groups(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, b
         canonical_nan_(out)
 
 
-def may_decode_nan(mn: torch.Tensor, step: torch.Tensor) -> bool:
+def may_decode_nan(*stats: torch.Tensor) -> bool:
     """Whether a decode with these statistics can produce NaN. With finite ``mn`` and ``step`` it cannot
     (``mn + q * step`` is finite or +inf); answered on the host for CPU tensors only: True on other devices,
     where the answer would cost a synchronisation."""
-    if mn.device.type != "cpu":
+    if stats[0].device.type != "cpu":
         return True
-    return not bool(torch.isfinite(mn).all() and torch.isfinite(step).all())
+    return not all(bool(torch.isfinite(s).all()) for s in stats)
 
 
 def quantize_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int):
