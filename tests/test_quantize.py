@@ -193,14 +193,15 @@ def test_rng_scalar_and_tensor_hash_agree_and_cross_32bit_boundary():
     assert u.tolist() == expected
 
 
-@pytest.mark.parametrize("start", [0, 2**31 - 100, 2**32 - 37, 3 * 2**31 - 5])
-def test_rng_int32_fast_path_matches_the_specification(start):
-    """int32 words with wraparound, segments split at multiples of 2**31: the specification's bits."""
+@pytest.mark.parametrize("start, count", [(0, 1), (2**16 - 100, 300), (2**31 - 100, 300), (2**32 - 70000, 140000),
+                                          (3 * 2**31 - 5, 300), (2**40 + 5, 300)])
+def test_rng_int32_fast_path_matches_the_specification(start, count):
+    """int32 words with wraparound, runs of 2**16 indices, 2**32 boundaries: the specification's bits."""
     base = rng.stream_base(3, 9)
-    out, scratch = torch.empty(300, dtype=torch.int32), torch.empty(300, dtype=torch.int32)
-    k = rng.uniform24_codes_(base, start, out, scratch, torch.arange(300, dtype=torch.int32))
+    out, scratch = torch.empty(count, dtype=torch.int32), torch.empty(count, dtype=torch.int32)
+    k = rng.uniform24_codes_(base, start, out, scratch)
     assert k is out and int(k.min()) >= 0 and int(k.max()) < 2**24
-    assert torch.equal(k.double() * 2**-24, rng.uniform24(base, start, 300).double())
+    assert torch.equal(k.double() * 2**-24, rng.uniform24(base, start, count).double())
 
 
 def test_rng_is_uniform():

@@ -115,7 +115,6 @@ class Workspace:
         self.words = torch.empty(capacity, dtype=torch.int32, device=device)
         self.scratch = torch.empty(capacity, dtype=torch.int32, device=device)
         self.codes = torch.empty(capacity, dtype=torch.uint8, device=device)
-        self.counter = torch.arange(capacity, dtype=torch.int32, device=device)
 
 
 def encode_groups(x: torch.Tensor, start: int, group_size: int, bits: int, stats_dtype: torch.dtype, base: int,
@@ -138,7 +137,7 @@ def encode_groups(x: torch.Tensor, start: int, group_size: int, bits: int, stats
     step32 = step_s.float()
     inv = torch.where(step32 > 0, 1.0 / step32, torch.zeros_like(step32))
     t = torch.sub(xg, mn_s.float()[:, None], out=ws.values[:padded].view(groups, group_size)).mul_(inv[:, None])
-    noise = rng.uniform24_codes_(base, start, ws.words[:padded], ws.scratch[:padded], ws.counter)
+    noise = rng.uniform24_codes_(base, start, ws.words[:padded], ws.scratch[:padded])
     noise = ws.scratch[:padded].view(torch.float32).copy_(noise)  # k < 2**24 as float32: exact
     t = t.view(-1).add_(noise, alpha=2.0**-24)  # k * 2**-24 is exact: fused or not, one rounding
     # NaN to 0 as the specification's comparisons do; truncation to uint8 is floor on [0, levels]
