@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import lightning_act as act
-from models import machine, publish
+from models import MachineLoad, machine, publish
 
 HERE = Path(__file__).resolve().parent
 CODECS = {**{f"quantize {b}-bit": ("quantize", {"bits": b}) for b in (1, 2, 4, 8)}, "division": ("division", {})}
@@ -59,18 +59,25 @@ def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=t
 def table(rows: list[dict]) -> list[str]:
     lines = ["| dtype | codec | encode GB/s | decode GB/s | clone GB/s | encode / clone | decode / clone |",
              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['dtype']} | {r['codec']} | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | "
-              f"{r['clone_gbps']:.2f} | {r['encode_vs_clone']:.3f} | {r['decode_vs_clone']:.3f} |" for r in rows]
+    lines += [f"| {r['dtype']} | {r['codec']} | {r['encode_gbps']:.3g} | {r['decode_gbps']:.3g} | "
+              f"{r['clone_gbps']:.3g} | {r['encode_vs_clone']:.3g} | {r['decode_vs_clone']:.3g} |" for r in rows]
     return lines
 
 
-def report(rows: list[dict], command: str) -> str:
+def description(rows: list[dict]) -> str:
     shape = " x ".join(map(str, rows[0]["shape"]))
+    return (f"`backend=\"torch\"` codecs on a ReLU'd Gaussian {shape} tensor; GB/s of the input tensor (its own "
+            f"dtype), median of {rows[0]['repeats']} calls after a warm-up; clone: `torch.clone` of the same tensor. "
+            "division: B=8, Q=2.")
+
+
+def report(rows: list[dict], command: str, load: dict) -> str:
     return "\n".join([
-        f"# {TITLE}", "",
-        f"`backend=\"torch\"` codecs on a ReLU'd Gaussian {shape} tensor; GB/s of the input tensor (its own dtype), "
-        f"median of {rows[0]['repeats']} calls after a warm-up; clone: `torch.clone` of the same tensor.", "",
-        *table(rows), "", f"Command: `{command}`", "", f"Machine: {machine()}", ""])
+        f"# {TITLE}", "", description(rows), "", *table(rows), "", f"Command: `{command}`", "",
+        f"Machine: {machine()}. Other processes used {load['other_cores']:.2f} of its {load['cpus']} CPUs on "
+        f"average while this ran (1-minute load average {load['loadavg_start']:.1f} at the start, "
+        f"{load['loadavg_end']:.1f} at the end): on a shared machine every rate, clone's included, is lower and "
+        "noisier.", ""])
 
 
 def main(argv=None) -> list[dict]:
@@ -79,11 +86,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "torch_path.md")
     args = parser.parse_args(argv)
-    rows = measure(tuple(args.shape), args.repeats)
+    with MachineLoad() as load:
+        rows = measure(tuple(args.shape), args.repeats)
     command = "python benchmarks/bench_torch_path.py" + (
         f" --shape {' '.join(map(str, args.shape))}" if args.shape != [16, 256, 56, 56] else "") + (
         f" --repeats {args.repeats}" if args.repeats != 5 else "")
-    publish(report(rows, command), args.out)
+    publish(report(rows, command, load.summary()), args.out)
     return rows
 
 
