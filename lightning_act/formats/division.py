@@ -24,7 +24,7 @@ decoded is the canonical NaN of its dtype (``floats.CANONICAL_NAN``), whatever t
 
 ``division_encode_spec`` / ``division_decode_spec`` are the specification, written to be read;
 ``division_encode_reference`` / ``division_decode_reference`` compute the same bits fast (what the codecs and the
-kernel tests run): chunks of whole planes of about ``quantize.CHUNK_ELEMENTS`` elements, in reused buffers,
+kernel tests run): chunks of whole planes of about ``quantize.chunk_elements(device)`` elements, in reused buffers,
 through the quantize format's fast chunk encoder and decoder.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ class _Planes:
         self.spatial, self.block, self.plane = spatial, block, math.prod(spatial)
         self.blocks = block_counts(spatial, block)
         self.padded_spatial = tuple(n * block for n in self.blocks)
-        self.chunk = quantize.groups_per_chunk(self.plane, bits, quantize.CHUNK_ELEMENTS)
+        self.chunk = quantize.groups_per_chunk(self.plane, bits, quantize.chunk_elements(device))
         most = min(planes, self.chunk)
         self.ws = quantize.Workspace(most * self.plane, device)
         self.residual = torch.empty(most * self.plane, dtype=torch.float32, device=device)
