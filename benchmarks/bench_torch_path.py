@@ -5,7 +5,8 @@ A ReLU'd Gaussian activation (default 16 x 256 x 56 x 56, a ResNet stage-1 map a
 bfloat16; ``quantize`` at 1, 2, 4, 8 bits and ``division`` (B=8, Q=2), ``backend="torch"``; median of the
 repeats after one warm-up call, every timing on the same tensor.
 
-    python benchmarks/bench_torch_path.py [--shape 16 256 56 56] [--repeats 5] [--out benchmarks/results/torch_path.md]
+    python benchmarks/bench_torch_path.py [--shape 16 256 56 56] [--repeats 5] [--threads N]
+                                          [--out benchmarks/results/torch_path.md]
 """
 from __future__ import annotations
 
@@ -84,13 +85,16 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", type=int, nargs="+", default=[16, 256, 56, 56])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "torch_path.md")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with MachineLoad() as load:
         rows = measure(tuple(args.shape), args.repeats)
     command = "python benchmarks/bench_torch_path.py" + (
         f" --shape {' '.join(map(str, args.shape))}" if args.shape != [16, 256, 56, 56] else "") + (
-        f" --repeats {args.repeats}" if args.repeats != 5 else "")
+        f" --repeats {args.repeats}" if args.repeats != 5 else "") + (f" --threads {args.threads}" if args.threads else "")
     publish(report(rows, command, load.summary()), args.out)
     return rows
 
