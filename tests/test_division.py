@@ -8,10 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_act as act
+from lightning_act.formats import division as division_format
+from lightning_act.formats import quantize as quantize_format
 from lightning_act.formats.division import low_frequency_copy, planes_and_spatial, upsample_nearest
 from lightning_act.models import resnet50
 from lightning_act.stats import COMPRESSED
-from tests.cuda_emulation.nan_payloads import GROUPS, assert_nans_canonical, nan_payload_groups
+from tests.cuda_emulation.nan_payloads import GROUPS, INT_VIEW, assert_nans_canonical, nan_payload_groups
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 SHAPES = [(2, 3, 17, 9), (2, 3, 16, 16), (2, 3, 7, 7), (1,), (), (5,), (4, 33), (3, 4, 10), (2, 2, 9, 9, 9),
@@ -219,3 +221,38 @@ def test_resnet50_activation_ratio_meets_the_papers_estimate():
     original, stored = stats.per_codec()["division"]
     assert stats.ratio >= 10.35  # DIVISION appendix G: R_ResNet-50 >= 10.35 (conv + BN + ReLU activations)
     assert original / stored >= 10
+
+
+def _same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return False
+    if actual.is_floating_point():
+        return torch.equal(actual.view(INT_VIEW[actual.dtype]), expected.view(INT_VIEW[expected.dtype]))
+    return torch.equal(actual, expected)
+
+
+def _planes(shape, dtype):
+    torch.manual_seed(4)
+    planes, spatial = planes_and_spatial(shape)
+    return (torch.randn(planes, *spatial, dtype=torch.float64) * 3 + 1).to(dtype)
+
+
+@pytest.mark.parametrize("chunk", [1 << 17, 40])  # one chunk, or one or a few planes per chunk
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fast_path_is_the_specification_bit_for_bit(dtype, bits, chunk, monkeypatch):
+    """What the codecs run (``division_*_reference``: chunks of planes, reused buffers, the quantize format's
+    fast chunks) stores and decodes the very bits of ``division_encode_spec`` / ``division_decode_spec``: planes
+    divisible by the block or not, 1D/2D/3D, one element, non-contiguous, NaN and +-Inf, block sizes 8 and 3."""
+    monkeypatch.setattr(quantize_format, "CHUNK_ELEMENTS", chunk)
+    inputs = {str(shape): _planes(shape, dtype) for shape in SHAPES}
+    inputs["non-contiguous"] = _planes((2, 6, 20, 9), dtype).transpose(1, 2)
+    inputs["NaN and Inf"] = nan_payload_groups(dtype, 64).view(GROUPS, 8, 8)
+    for block in (8, 3):
+        for name, x in inputs.items():
+            expected = division_format.division_encode_spec(x, block, bits, 2, 7)
+            stored = division_format.division_encode_reference(x, block, bits, 2, 7)
+            assert all(_same_bits(a, e) for a, e in zip(stored, expected)), (name, block)
+            args = (*expected, x.shape[0], tuple(x.shape[1:]), block, bits, dtype)
+            decoded = division_format.division_decode_reference(*args)
+            assert _same_bits(decoded, division_format.division_decode_spec(*args)), (name, block)

@@ -1,13 +1,48 @@
-"""Dense little-endian bit packing of small unsigned codes into uint8 (element i at bit (i % (8/b)) * b)."""
+"""Dense little-endian bit packing of small unsigned codes into uint8 (element i at bit (i % (8/b)) * b).
+
+Packing works on words: ``8 / b`` codes, one per byte, read as one little-endian integer word, are folded into
+its low byte by shifts and ORs (``pack_codes_``); unpacking spreads a byte back over a word (``unpack_codes_``).
+Each is a handful of whole-tensor integer passes, no per-code indexing.
+"""
 from __future__ import annotations
 
 import torch
 
 PACKABLE_BITS = (1, 2, 4, 8)
+# bits -> (word dtype holding 8 / bits codes, the shifts that fold them into its low byte, the mask that keeps
+# one code per byte after spreading a byte back)
+_WORDS = {4: (torch.int16, (4,), 0x0F0F), 2: (torch.int32, (6, 12), 0x03030303),
+          1: (torch.int64, (7, 14, 28), 0x0101010101010101)}
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
     return (numel * bits + 7) // 8
+
+
+def pack_codes_(codes: torch.Tensor, bits: int, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Pack ``codes`` (contiguous uint8 codes < 2**bits, a multiple of ``8 // bits`` of them, storage offset a
+    multiple of 8) into ``out`` (``codes.numel() * bits // 8`` bytes). ``codes`` is overwritten; ``scratch`` is a
+    uint8 tensor of at least ``codes.numel()`` bytes whose storage offset is a multiple of 8."""
+    dtype, shifts, _ = _WORDS[bits]
+    words = codes.view(dtype)
+    folded = scratch[: codes.numel()].view(dtype)
+    for shift in shifts:
+        torch.bitwise_right_shift(words, shift, out=folded)
+        words |= folded
+    return out.copy_(words.bitwise_and_(0xFF))
+
+
+def unpack_codes_(packed: torch.Tensor, bits: int, codes: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_codes_`: the ``packed.numel() * 8 // bits`` codes of ``packed`` into ``codes``
+    (contiguous uint8 of exactly that size, storage offset a multiple of 8); ``scratch`` as for ``pack_codes_``."""
+    dtype, shifts, mask = _WORDS[bits]
+    words = codes.view(dtype)
+    words.copy_(packed)
+    spread = scratch[: codes.numel()].view(dtype)
+    for shift in reversed(shifts):
+        torch.bitwise_left_shift(words, shift, out=spread)
+        words |= spread
+    return codes.view(dtype).bitwise_and_(mask).view(torch.uint8)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -15,17 +50,15 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes
     per_byte = 8 // bits
-    tail = (-codes.numel()) % per_byte
-    if tail:
-        codes = torch.cat([codes, codes.new_zeros(tail)])
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (codes.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
+    padded = codes.new_zeros(-(-codes.numel() // per_byte) * per_byte)
+    padded[: codes.numel()] = codes
+    out = codes.new_empty(padded.numel() // per_byte)
+    return pack_codes_(padded, bits, out, torch.empty_like(padded))
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: the first ``numel`` codes as uint8."""
     if bits == 8:
         return packed[:numel]
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return codes.view(-1)[:numel]
+    codes = packed.new_empty(packed.numel() * 8 // bits)
+    return unpack_codes_(packed, bits, codes, torch.empty_like(codes))[:numel]

@@ -21,6 +21,11 @@ bytes per channel). Decode: ``x' = (mn + q * step) + upsampled lfc`` in float32,
 so ``|x' - x| <= step`` of the plane (plus the output dtype's rounding, or float32's of a float64 input) and
 ``E[x'] = x``. A plane holding NaN or +-Inf decodes to NaN. Every NaN stored (``lfc``, ``mn``, ``step``) or
 decoded is the canonical NaN of its dtype (``floats.CANONICAL_NAN``), whatever the input's NaN encodings.
+
+``division_encode_spec`` / ``division_decode_spec`` are the specification, written to be read;
+``division_encode_reference`` / ``division_decode_reference`` compute the same bits fast (what the codecs and the
+kernel tests run): chunks of whole planes of about ``quantize.chunk_elements(device)`` elements, in reused buffers,
+through the quantize format's fast chunk encoder and decoder.
 """
 from __future__ import annotations
 
@@ -29,8 +34,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import rng
+from . import quantize
+from ._bitpack import packed_nbytes
 from .floats import canonical_nan_
-from .quantize import dequantize_reference, quantize_reference
+from .quantize import dequantize_spec, quantize_spec
 
 MAX_SPATIAL_DIMS = 3
 
@@ -48,25 +56,38 @@ def block_counts(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
     return tuple(-(-s // block) for s in spatial)
 
 
-def low_frequency_copy(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Block means of ``x`` (``planes x spatial``, any float dtype) in bfloat16, partial edge blocks averaged
-    over their elements inside the tensor, NaN canonical; the summation order is the kernel's (module docstring)."""
-    spatial = tuple(x.shape[1:])
-    blocks = block_counts(spatial, block)
-    pad = [p for s, n in zip(reversed(spatial), reversed(blocks)) for p in (0, n * block - s)]
-    t = F.pad(x.float(), pad)
-    t = t.view(x.shape[0], *[d for n in blocks for d in (n, block)])
+def _zero_padding(spatial: tuple[int, ...], block: int) -> list[int]:
+    """``F.pad`` widths that zero-pad ``spatial`` to whole blocks."""
+    return [p for s, n in zip(reversed(spatial), reversed(block_counts(spatial, block))) for p in (0, n * block - s)]
+
+
+def block_sizes(spatial: tuple[int, ...], block: int, device: torch.device | str) -> torch.Tensor:
+    """Elements of each block inside the tensor, float32, shaped as the blocks."""
+    count = torch.ones((), dtype=torch.float32, device=device)
+    for s, n in zip(spatial, block_counts(spatial, block)):
+        edge = torch.full((n,), float(block), dtype=torch.float32, device=device)
+        edge[-1] = s - (n - 1) * block
+        count = count.unsqueeze(-1) * edge
+    return count
+
+
+def block_means(padded: torch.Tensor, sizes: torch.Tensor, block: int) -> torch.Tensor:
+    """bfloat16 block means (NaN canonical) of ``padded`` (float32 ``planes x spatial`` zero-padded to whole
+    blocks), ``sizes`` from :func:`block_sizes`; the summation order is the kernel's (module docstring)."""
+    t = padded.view(padded.shape[0], *[d for n in sizes.shape for d in (n, block)])
     for axis in range(t.dim() - 1, 0, -2):  # fold the last spatial dim first
         acc = t.select(axis, 0).clone()
         for j in range(1, block):
             acc.add_(t.select(axis, j))
         t = acc
-    count = torch.ones((), dtype=torch.float32, device=x.device)
-    for s, n in zip(spatial, blocks):
-        edge = torch.full((n,), float(block), dtype=torch.float32, device=x.device)
-        edge[-1] = s - (n - 1) * block
-        count = count.unsqueeze(-1) * edge
-    return canonical_nan_((t / count).to(torch.bfloat16))
+    return canonical_nan_((t / sizes).to(torch.bfloat16))
+
+
+def low_frequency_copy(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Block means of ``x`` (``planes x spatial``, any float dtype) in bfloat16, partial edge blocks averaged
+    over their elements inside the tensor, NaN canonical; the summation order is the kernel's (module docstring)."""
+    spatial = tuple(x.shape[1:])
+    return block_means(F.pad(x.float(), _zero_padding(spatial, block)), block_sizes(spatial, block, x.device), block)
 
 
 def upsample_nearest(lfc: torch.Tensor, spatial: tuple[int, ...], block: int) -> torch.Tensor:
@@ -79,18 +100,103 @@ def upsample_nearest(lfc: torch.Tensor, spatial: tuple[int, ...], block: int) ->
     return lfc.float()[(slice(None), *index)]
 
 
-def division_encode_reference(x: torch.Tensor, block: int, bits: int, seed: int, key: int):
-    """Torch specification of the encode kernels: ``(lfc bf16, payload uint8, mn bf16, step bf16)`` for ``x``
-    already viewed as ``planes x spatial``."""
+def division_encode_spec(x: torch.Tensor, block: int, bits: int, seed: int, key: int):
+    """The specification of encode: ``(lfc bf16, payload uint8, mn bf16, step bf16)`` for ``x`` already viewed as
+    ``planes x spatial``."""
     lfc = low_frequency_copy(x, block)
     residual = x.float() - upsample_nearest(lfc, tuple(x.shape[1:]), block)
-    payload, mn, step = quantize_reference(residual, bits, math.prod(x.shape[1:]), torch.bfloat16, seed, key)
+    payload, mn, step = quantize_spec(residual, bits, math.prod(x.shape[1:]), torch.bfloat16, seed, key)
+    return lfc, payload, mn, step
+
+
+def division_decode_spec(lfc, payload, mn, step, planes: int, spatial: tuple[int, ...], block: int, bits: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The specification of decode: ``planes x spatial`` in ``dtype``."""
+    plane = math.prod(spatial)
+    residual = dequantize_spec(payload, mn, step, planes * plane, bits, plane, torch.float32)
+    return canonical_nan_(residual.view(planes, *spatial).add_(upsample_nearest(lfc, spatial, block)).to(dtype))
+
+
+class _Planes:
+    """The fast path's chunking of ``planes x spatial`` and its reused buffers: chunks of whole planes whose codes
+    start on a byte, the quantize workspace, a float32 residual and a zero-padded block buffer."""
+
+    def __init__(self, planes: int, spatial: tuple[int, ...], block: int, bits: int, device: torch.device):
+        self.spatial, self.block, self.plane = spatial, block, math.prod(spatial)
+        self.blocks = block_counts(spatial, block)
+        self.padded_spatial = tuple(n * block for n in self.blocks)
+        self.chunk = quantize.groups_per_chunk(self.plane, bits, quantize.chunk_elements(device))
+        most = min(planes, self.chunk)
+        self.ws = quantize.Workspace(most * self.plane, device)
+        self.residual = torch.empty(most * self.plane, dtype=torch.float32, device=device)
+        self.padded = torch.empty(most * math.prod(self.padded_spatial), dtype=torch.float32, device=device)
+        self.sizes = block_sizes(spatial, block, device)
+        self.pad = _zero_padding(spatial, block)
+        self.divisible = self.padded_spatial == spatial
+        self.ranges = [(p0, min(planes, p0 + self.chunk)) for p0 in range(0, planes, self.chunk)]
+
+    def add_upsampled_(self, t: torch.Tensor, lfc: torch.Tensor, alpha: int) -> torch.Tensor:
+        """``t + alpha * upsample_nearest(lfc)`` in place (alpha +-1: exact, the same bits as the specification's
+        add or subtract), ``t`` and ``lfc`` float32 ``planes x spatial`` / ``planes x blocks``."""
+        planes = t.shape[0]
+        blocked = [planes, *[d for n in self.blocks for d in (n, self.block)]]
+        lfc_blocked = lfc.view(planes, *[d for n in self.blocks for d in (n, 1)])
+        if self.divisible:
+            t.view(blocked).add_(lfc_blocked, alpha=alpha)
+            return t
+        up = self.padded[: planes * math.prod(self.padded_spatial)]
+        up.view(blocked).copy_(lfc_blocked.expand(blocked))
+        crop = (slice(None), *[slice(0, s) for s in self.spatial])
+        return t.add_(up.view(planes, *self.padded_spatial)[crop], alpha=alpha)
+
+    def low_frequency_copy(self, x: torch.Tensor) -> torch.Tensor:
+        """:func:`low_frequency_copy` of float32 planes ``x``, zero-padding in the reused buffer."""
+        if self.divisible:
+            return block_means(x, self.sizes, self.block)
+        padded = self.padded[: x.shape[0] * math.prod(self.padded_spatial)].view(x.shape[0], *self.padded_spatial)
+        padded.zero_()
+        padded[(slice(None), *[slice(0, s) for s in self.spatial])] = x
+        return block_means(padded, self.sizes, self.block)
+
+
+def division_encode_reference(x: torch.Tensor, block: int, bits: int, seed: int, key: int):
+    """Encode, the same bits as :func:`division_encode_spec`: ``(lfc bf16, payload uint8, mn bf16, step bf16)``
+    for ``x`` already viewed as ``planes x spatial``."""
+    planes, spatial = x.shape[0], tuple(x.shape[1:])
+    chunks = _Planes(planes, spatial, block, bits, x.device)
+    plane = chunks.plane
+    lfc = torch.empty(planes, *chunks.blocks, dtype=torch.bfloat16, device=x.device)
+    payload = torch.empty(packed_nbytes(planes * plane, bits), dtype=torch.uint8, device=x.device)
+    mn = torch.empty(planes, dtype=torch.bfloat16, device=x.device)
+    step = torch.empty(planes, dtype=torch.bfloat16, device=x.device)
+    base = rng.stream_base(seed, key)
+    for p0, p1 in chunks.ranges:
+        residual = chunks.residual[: (p1 - p0) * plane].view(p1 - p0, *spatial)
+        residual.copy_(x[p0:p1])
+        lfc[p0:p1] = chunks.low_frequency_copy(residual)
+        chunks.add_upsampled_(residual, lfc[p0:p1].float(), -1)
+        e0, e1 = p0 * plane, p1 * plane
+        quantize.encode_groups(residual.view(-1), e0, plane, bits, torch.bfloat16, base, chunks.ws,
+                               payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn[p0:p1], step[p0:p1])
     return lfc, payload, mn, step
 
 
 def division_decode_reference(lfc, payload, mn, step, planes: int, spatial: tuple[int, ...], block: int,
                               bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Torch specification of the decode kernel: ``planes x spatial`` in ``dtype``."""
-    plane = math.prod(spatial)
-    residual = dequantize_reference(payload, mn, step, planes * plane, bits, plane, torch.float32)
-    return canonical_nan_(residual.view(planes, *spatial).add_(upsample_nearest(lfc, spatial, block)).to(dtype))
+    """Decode, the same bits as :func:`division_decode_spec`: ``planes x spatial`` in ``dtype``."""
+    chunks = _Planes(planes, spatial, block, bits, payload.device)
+    plane = chunks.plane
+    out = torch.empty(planes, *spatial, dtype=dtype, device=payload.device)
+    # finite statistics and block means decode to finite values or infinities: no NaN to canonicalise
+    canonical_nan = quantize.may_decode_nan(mn, step, lfc)
+    for p0, p1 in chunks.ranges:
+        e0, e1 = p0 * plane, p1 * plane
+        residual = out[p0:p1] if dtype == torch.float32 else chunks.residual[: e1 - e0].view(p1 - p0, *spatial)
+        quantize.decode_groups(payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn[p0:p1], step[p0:p1], bits,
+                               plane, chunks.ws, residual.view(-1), canonical_nan=False)
+        chunks.add_upsampled_(residual, lfc[p0:p1].float(), 1)
+        if dtype != torch.float32:
+            out[p0:p1] = residual
+        if canonical_nan:
+            canonical_nan_(out[p0:p1])
+    return out

@@ -23,16 +23,32 @@ float16, 0x7fc0 bfloat16, 0x7ff8000000000000 float64), written through an intege
 portable (x86 propagates an operand's, a GPU returns 0x7fffffff, casts to bfloat16 differ between code paths),
 so without this the same tensor would store different bytes on CPU, on CUDA and in the kernels. Only the
 lossless raw forms (``bits=32``, ``bits=16`` of 16-bit inputs) keep the input's NaN bits.
+
+Two torch implementations: ``quantize_spec`` / ``dequantize_spec`` are the specification, written to be read
+(whole-tensor temporaries); ``quantize_reference`` / ``dequantize_reference`` compute the same bits fast (what
+the codecs and the kernel tests run): chunks of whole groups bounded by ``chunk_elements(device)`` in buffers
+reused from chunk to chunk, the random numbers in int32 (``rng.uniform24_codes_``), bit packing on words.
 """
 from __future__ import annotations
 
 import torch
 
+import math
+
 from .. import rng
-from ._bitpack import pack_codes, packed_nbytes, unpack_codes
+from ._bitpack import pack_codes, pack_codes_, packed_nbytes, unpack_codes, unpack_codes_
 from .floats import canonical_nan_
 
 STATS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Elements per chunk of the fast path, whose buffers take 13 bytes per element whatever the tensor size: on CPU
+# they stay in L2 (1.6 MiB); on a GPU a chunk is 4 Mi elements (52 MiB, a GPU's L2 order), so the ~35 kernel
+# launches per chunk stay few.
+CHUNK_ELEMENTS = 1 << 17
+GPU_CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_elements(device: torch.device) -> int:
+    return CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS
 def _div_levels(d: torch.Tensor, levels: int) -> torch.Tensor:
     """``d / levels`` as one IEEE division on every device: on CUDA, torch turns division by a Python scalar
     into a multiplication by its reciprocal (off by one ulp for levels 3, 15, 255), a tensor divisor it does not."""
@@ -52,8 +68,8 @@ def _round_stats(mn: torch.Tensor, mx: torch.Tensor, levels: int, dtype: torch.d
 
 
 def _as_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """A flat float32 chunk that starts on a group boundary as (groups, group_size); the short last group is
-    padded with copies of its last element, which leaves its min and max unchanged."""
+    """A flat tensor as float32 (groups, group_size); the short last group is padded with copies of its last
+    element, which leaves its min and max unchanged."""
     x = x.float()
     pad = (-x.numel()) % group_size
     if pad:
@@ -61,44 +77,148 @@ def _as_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.view(-1, group_size)
 
 
-def quantize_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int):
-    """Torch specification of the encode kernel: ``(payload uint8, mn, step)``."""
+def quantize_spec(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int):
+    """The specification of encode: ``(payload uint8, mn, step)``."""
     flat = x.reshape(-1)
     n = flat.numel()
     levels = (1 << bits) - 1
+    if n == 0:
+        return (torch.empty(0, dtype=torch.uint8, device=x.device), torch.empty(0, dtype=stats_dtype, device=x.device),
+                torch.empty(0, dtype=stats_dtype, device=x.device))
+    xg = _as_groups(flat, group_size)
+    mn_s, step_s = _round_stats(xg.amin(dim=1), xg.amax(dim=1), levels, stats_dtype)
+    step32 = step_s.float()
+    inv = torch.where(step32 > 0, 1.0 / step32, torch.zeros_like(step32))
+    t = (xg - mn_s.float()[:, None]).mul_(inv[:, None])
+    t += rng.uniform24(rng.stream_base(seed, key), 0, xg.numel(), x.device).view_as(t)
+    t.floor_()
+    # comparisons are False for NaN, so NaN lands on 0 exactly as in the kernel
+    q = torch.where(t >= levels, float(levels), torch.where(t > 0, t, 0.0)).to(torch.uint8)
+    return pack_codes(q.view(-1)[:n], bits), mn_s, step_s
+
+
+def dequantize_spec(payload, mn, step, numel: int, bits: int, group_size: int, dtype: torch.dtype):
+    """The specification of decode: a flat tensor of ``numel`` elements in ``dtype``."""
+    groups = -(-numel // group_size)
+    q = torch.zeros(groups * group_size, dtype=torch.float32, device=payload.device)
+    q[:numel] = unpack_codes(payload, bits, numel)
+    x = q.view(groups, group_size).mul_(step.float()[:, None]).add_(mn.float()[:, None])
+    return canonical_nan_(x.view(-1)[:numel].to(dtype))
+
+
+def groups_per_chunk(group_size: int, bits: int, elements: int) -> int:
+    """Whole groups per chunk of about ``elements`` (at least one group): a multiple of the groups whose codes
+    fill whole bytes, so every chunk's codes start on a byte of the payload."""
+    align = 8 // math.gcd(group_size * bits, 8)
+    return align * max(1, elements // (group_size * align))
+
+
+class Workspace:
+    """The buffers the fast path reuses from chunk to chunk, for chunks of up to ``capacity`` elements."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        capacity = -(-capacity // 8) * 8 + 8  # room to pad the codes to whole words
+        self.values = torch.empty(capacity, dtype=torch.float32, device=device)
+        self.words = torch.empty(capacity, dtype=torch.int32, device=device)
+        self.scratch = torch.empty(capacity, dtype=torch.int32, device=device)
+        self.codes = torch.empty(capacity, dtype=torch.uint8, device=device)
+
+
+def encode_groups(x: torch.Tensor, start: int, group_size: int, bits: int, stats_dtype: torch.dtype, base: int,
+                  ws: Workspace, payload: torch.Tensor, mn_out: torch.Tensor, step_out: torch.Tensor) -> None:
+    """Encode ``x`` (a flat chunk of any float dtype: ``mn_out.numel()`` groups, the last maybe short) whose first
+    element has index ``start`` in its tensor: codes into ``payload`` (starting on a byte), statistics into
+    ``mn_out`` / ``step_out``. The same bits as :func:`quantize_spec` on the whole tensor."""
+    m, groups = x.numel(), mn_out.numel()
+    padded, levels = groups * group_size, (1 << bits) - 1
+    if x.dtype == torch.float32 and m == padded:
+        xf = x
+    else:  # float32 copy, the short last group padded with its last element (min and max unchanged)
+        xf = ws.values[:padded]
+        xf[:m] = x
+        xf[m:] = xf[m - 1]
+    xg = xf.view(groups, group_size)
+    mn_s, step_s = _round_stats(xg.amin(dim=1), xg.amax(dim=1), levels, stats_dtype)  # aminmax is slower
+    mn_out.copy_(mn_s)
+    step_out.copy_(step_s)
+    step32 = step_s.float()
+    inv = torch.where(step32 > 0, 1.0 / step32, torch.zeros_like(step32))
+    t = torch.sub(xg, mn_s.float()[:, None], out=ws.values[:padded].view(groups, group_size)).mul_(inv[:, None])
+    noise = rng.uniform24_codes_(base, start, ws.words[:padded], ws.scratch[:padded])
+    noise = ws.scratch[:padded].view(torch.float32).copy_(noise)  # k < 2**24 as float32: exact
+    t = t.view(-1).add_(noise, alpha=2.0**-24)  # k * 2**-24 is exact: fused or not, one rounding
+    # NaN to 0 as the specification's comparisons do; truncation to uint8 is floor on [0, levels]
+    t.nan_to_num_(0.0).clamp_(0, levels)
+    if bits == 8:
+        payload.copy_(t[:m])
+        return
+    whole = -(-m // (8 // bits)) * (8 // bits)
+    codes = ws.codes[:whole]
+    codes[:m] = t[:m]
+    codes[m:] = 0
+    pack_codes_(codes, bits, payload, ws.scratch.view(torch.uint8))
+
+
+def decode_groups(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, bits: int, group_size: int,
+                  ws: Workspace, out: torch.Tensor, canonical_nan: bool) -> None:
+    """Decode one chunk of ``mn.numel()`` groups (the last maybe short) into ``out`` (flat, its dtype), the
+    inverse of :func:`encode_groups`; ``canonical_nan=False`` only when no output can be NaN."""
+    m, groups = out.numel(), mn.numel()
+    padded = groups * group_size
+    values = ws.values[:padded]
+    if bits == 8:
+        values[:m] = payload
+    else:
+        codes = ws.codes[: payload.numel() * (8 // bits)]
+        values[:m] = unpack_codes_(payload, bits, codes, ws.scratch.view(torch.uint8))[:m]
+    values[m:] = 0
+    vg = values.view(groups, group_size).mul_(step.float()[:, None])
+    if out.dtype == torch.float32 and m == padded:
+        torch.add(vg, mn.float()[:, None], out=out.view(groups, group_size))
+    else:
+        out.copy_(vg.add_(mn.float()[:, None]).view(-1)[:m])
+    if canonical_nan:
+        canonical_nan_(out)
+
+
+def may_decode_nan(*stats: torch.Tensor) -> bool:
+    """Whether a decode with these statistics can produce NaN. With finite ``mn`` and ``step`` it cannot
+    (``mn + q * step`` is finite or +inf); answered on the host for CPU tensors only: True on other devices,
+    where the answer would cost a synchronisation."""
+    if stats[0].device.type != "cpu":
+        return True
+    return not all(bool(torch.isfinite(s).all()) for s in stats)
+
+
+def quantize_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int):
+    """Encode, the same bits as :func:`quantize_spec`: ``(payload uint8, mn, step)``."""
+    flat = x.reshape(-1)
+    n = flat.numel()
     groups = -(-n // group_size)
     payload = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
     mn_out = torch.empty(groups, dtype=stats_dtype, device=x.device)
     step_out = torch.empty(groups, dtype=stats_dtype, device=x.device)
+    chunk = groups_per_chunk(group_size, bits, chunk_elements(x.device))
+    ws = Workspace(min(groups, chunk) * group_size, x.device)
     base = rng.stream_base(seed, key)
-    chunk_groups = max(1, rng.CHUNK_ELEMENTS // group_size)
-    for g0 in range(0, groups, chunk_groups):
-        g1 = min(groups, g0 + chunk_groups)
+    for g0 in range(0, groups, chunk):
+        g1 = min(groups, g0 + chunk)
         e0, e1 = g0 * group_size, min(n, g1 * group_size)
-        xg = _as_groups(flat[e0:e1], group_size)
-        mn_s, step_s = _round_stats(xg.amin(dim=1), xg.amax(dim=1), levels, stats_dtype)
-        mn_out[g0:g1], step_out[g0:g1] = mn_s, step_s
-        step32 = step_s.float()
-        inv = torch.where(step32 > 0, 1.0 / step32, torch.zeros_like(step32))
-        t = (xg - mn_s.float()[:, None]).mul_(inv[:, None])
-        t += rng.uniform24(base, e0, xg.numel(), x.device).view_as(t)
-        t.floor_()
-        # comparisons are False for NaN, so NaN lands on 0 exactly as in the kernel
-        q = torch.where(t >= levels, float(levels), torch.where(t > 0, t, 0.0)).to(torch.uint8)
-        payload[e0 * bits // 8 : packed_nbytes(e1, bits)] = pack_codes(q.view(-1)[: e1 - e0], bits)
+        encode_groups(flat[e0:e1], e0, group_size, bits, stats_dtype, base, ws,
+                      payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn_out[g0:g1], step_out[g0:g1])
     return payload, mn_out, step_out
 
 
 def dequantize_reference(payload, mn, step, numel: int, bits: int, group_size: int, dtype: torch.dtype):
-    """Torch specification of the decode kernel: a flat tensor of ``numel`` elements in ``dtype``."""
+    """Decode, the same bits as :func:`dequantize_spec`: a flat tensor of ``numel`` elements in ``dtype``."""
     out = torch.empty(numel, dtype=dtype, device=payload.device)
-    chunk = max(1, rng.CHUNK_ELEMENTS // group_size) * group_size
-    for e0 in range(0, numel, chunk):
-        e1 = min(numel, e0 + chunk)
-        g0, g1 = e0 // group_size, -(-e1 // group_size)
-        codes = unpack_codes(payload[e0 * bits // 8 : packed_nbytes(e1, bits)], bits, e1 - e0)
-        q = torch.zeros((g1 - g0) * group_size, dtype=torch.float32, device=payload.device)
-        q[: e1 - e0] = codes
-        x = q.view(-1, group_size).mul_(step[g0:g1].float()[:, None]).add_(mn[g0:g1].float()[:, None])
-        out[e0:e1] = x.view(-1)[: e1 - e0]
-    return canonical_nan_(out)
+    groups = mn.numel()
+    chunk = groups_per_chunk(group_size, bits, chunk_elements(payload.device))
+    ws = Workspace(min(groups, chunk) * group_size, payload.device)
+    canonical_nan = may_decode_nan(mn, step)
+    for g0 in range(0, groups, chunk):
+        g1 = min(groups, g0 + chunk)
+        e0, e1 = g0 * group_size, min(numel, g1 * group_size)
+        decode_groups(payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn[g0:g1], step[g0:g1], bits, group_size,
+                      ws, out[e0:e1], canonical_nan)
+    return out
