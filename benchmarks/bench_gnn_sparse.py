@@ -73,14 +73,15 @@ def _forward(model, x, adj, per_layer_checkpoint: bool):
     return x
 
 
-def memory_rows(data, hidden: int, classes: int, layers: int) -> list[dict]:
-    adjs = {kind: adjacency(data, kind) for kind in ("edge_index", "sparse")}
+def memory_rows(data, hidden: int, classes: int, layers: int, configs) -> list[dict]:
+    adjs = {kind: adjacency(data, kind) for kind in {CONFIGS[name][0] for name in configs}}
     models = {}
     for kind in adjs:  # one model per adjacency: cached=True keeps the normalized form of the first one it sees
         torch.manual_seed(0)
         models[kind] = gnn("gcn", data.num_features, hidden, classes, layers, cached=True)
     rows = []
-    for name, (kind, config, per_layer_checkpoint) in CONFIGS.items():
+    for name in configs:
+        kind, config, per_layer_checkpoint = CONFIGS[name]
         model, adj = models[kind], adjs[kind]
         compressor = act.ActivationCompressor(model, config or act.ACTConfig(opt_level="L0"))
 
@@ -188,18 +189,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--classes", type=int, default=16)
     parser.add_argument("--layers", type=int, nargs="+", default=[3, 6])
+    parser.add_argument("--configs", nargs="+", choices=tuple(CONFIGS), default=list(CONFIGS),
+                        metavar="CONFIG", help=f"some of: {'; '.join(CONFIGS)}")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="accuracy seeds (none: skipped)")
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="2,000 nodes, 2 layers, one seed of 5 epochs")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "gnn_sparse.md")
     args = parser.parse_args(argv)
+    if "sparse, uncompressed" not in args.configs:
+        parser.error("--configs must include 'sparse, uncompressed' (the peak ÷ reference)")
     if args.quick:
         args.nodes, args.layers, args.seeds, args.epochs = 2000, [2], [0], 5
     command = "python benchmarks/bench_gnn_sparse.py" + (" --quick" if args.quick else "")
     warnings.filterwarnings("ignore", "Sparse")  # torch's beta and invariant-check notices for CSR tensors
     torch.manual_seed(0)
     data = random_graph(args.nodes, args.degree, args.features, args.classes)
-    memory = [row for layers in args.layers for row in memory_rows(data, args.hidden, args.classes, layers)]
+    memory = [row for layers in args.layers
+              for row in memory_rows(data, args.hidden, args.classes, layers, args.configs)]
     acc = accuracy(args.seeds, args.epochs)
     publish(report(memory, acc, args, command), args.out)
     return {"memory": memory, "accuracy": acc}
