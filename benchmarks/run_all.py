@@ -14,6 +14,7 @@ How each number is measured (CPU, the pure-torch codecs):
   (``peak_memory.py``: VmHWM reset around the step, glibc's mmap threshold pinned so freed tensors leave the
   RSS). Medians over the repetitions. Saved/stored bytes come from ``compressor.stats()`` (the baseline's from
   an uncompressed ``L0`` compressor on one extra step).
+- Run on its own: a GCN over a sparse adjacency, where compression moves the peak, ``bench_gnn_sparse.py``.
 - Max batch: ``bench_max_batch.py``: per (model, configuration) a fresh child process searches the largest
   batch whose trial (build the model and batch, one training step) peaks at or below the budget.
 - Throughput: encode and decode of ReLU'd Gaussian tensors (N x 64 x 32 x 32, float32) from 1 MiB up, in GB/s of

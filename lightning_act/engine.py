@@ -436,7 +436,16 @@ class ActivationCompressor:
     def _pack(self, step: "_Step", t: torch.Tensor) -> _Saved:
         index = len(step.records)
         if t.layout != torch.strided:
-            nbytes = sum(x.numel() * x.element_size() for x in _sparse_parts(t))
+            # kept as it is, counted once per step (a GNN's adjacency is saved by every layer)
+            parts = _sparse_parts(t)
+            key = ("sparse", t.layout, tuple(t.shape)) + tuple(x.untyped_storage().data_ptr() for x in parts)
+            hit = step.seen.get(key)
+            if hit is not None and not hit[0].expired():
+                self._record(step, index, t, DUPLICATE, "none", 0.0, 0, 0)
+                return _kept(t, watch=False)
+            if parts:
+                step.seen[key] = (StorageWeakRef(parts[-1].untyped_storage()), None)
+            nbytes = sum(x.numel() * x.element_size() for x in parts)
             return self._keep(step, index, t, "sparse", nbytes, watch=False)
         kind = type(t)
         if (kind is not torch.Tensor and kind is not nn.Parameter) or t.is_meta:

@@ -5,8 +5,8 @@ torch build): what the recipes, the benchmarks, the tests and users comparing wi
 - ``resnet8(in_channels, classes, width)``: a small ResNet for any image size (the CNN recipe's network)
 - ``DigitsCNN``: the demo's LightningModule, a three-conv CNN for 8x8 digits; ``ImageClassifierBase``: the
   cross-entropy training and validation accuracy it shares with the CNN recipe's module
-- ``gnn(kind, in_dim, hidden, classes)``: a torch_geometric node classifier, one of ``GNN_MODELS`` (GCN, GAT,
-  GCNII, GraphSAGE; ``pip install 'lightning-act[gnn]'``)
+- ``gnn(kind, in_dim, hidden, classes, layers, cached)``: a torch_geometric node classifier, one of
+  ``GNN_MODELS`` (GCN, GAT, GCNII, GraphSAGE; ``pip install 'lightning-act[gnn]'``)
 """
 from __future__ import annotations
 
@@ -117,39 +117,53 @@ class DigitsCNN(ImageClassifierBase):
 GNN_MODELS = ("gcn", "gat", "gcnii", "sage")
 
 
-class TwoLayerGNN(nn.Module):
-    """conv -> activation -> dropout -> conv: GCN, GAT (4 heads) or GraphSAGE."""
+class StackedGNN(nn.Module):
+    """``layers`` convs of GCN, GAT (4 heads) or GraphSAGE, each but the last followed by the activation and
+    dropout (the input is dropped out too). ``block(i, x, adj)`` runs layer ``i`` with what follows it, the unit
+    a per-layer checkpoint wraps."""
 
-    def __init__(self, kind: str, in_dim: int, hidden: int, classes: int, dropout: float = 0.5):
+    def __init__(self, kind: str, in_dim: int, hidden: int, classes: int, layers: int = 2, dropout: float = 0.5,
+                 cached: bool = False):
         super().__init__()
         from torch_geometric.nn import GATConv, GCNConv, SAGEConv
 
+        dims = [in_dim] + [hidden] * (layers - 1) + [classes]
         if kind == "gat":
             heads = 4
-            self.convs = nn.ModuleList([GATConv(in_dim, hidden // heads, heads=heads, dropout=dropout),
-                                        GATConv(hidden, classes, heads=1, dropout=dropout)])
+            self.convs = nn.ModuleList([GATConv(a, b // heads, heads=heads, dropout=dropout)
+                                        for a, b in zip(dims[:-2], dims[1:-1])]
+                                       + [GATConv(dims[-2], classes, heads=1, dropout=dropout)])
             self.act = nn.ELU()
+        elif kind == "gcn":
+            self.convs = nn.ModuleList([GCNConv(a, b, cached=cached) for a, b in zip(dims[:-1], dims[1:])])
+            self.act = nn.ReLU()
         else:
-            conv = {"gcn": GCNConv, "sage": SAGEConv}[kind]
-            self.convs = nn.ModuleList([conv(in_dim, hidden), conv(hidden, classes)])
+            self.convs = nn.ModuleList([SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:])])
             self.act = nn.ReLU()
         self.dropout = nn.Dropout(dropout)
 
+    def block(self, i: int, x, adj):
+        x = self.convs[i](x, adj)
+        return x if i == len(self.convs) - 1 else self.dropout(self.act(x))
+
     def forward(self, x, adj):
-        x = self.dropout(self.act(self.convs[0](self.dropout(x), adj)))
-        return self.convs[1](x, adj)
+        x = self.dropout(x)
+        for i in range(len(self.convs)):
+            x = self.block(i, x, adj)
+        return x
 
 
 class GCNII(nn.Module):
     """GCNII (Chen et al. 2020): linear in, ``layers`` initial-residual + identity-mapping convs, linear out."""
 
     def __init__(self, in_dim: int, hidden: int, classes: int, layers: int = 8, alpha: float = 0.1,
-                 theta: float = 0.5, dropout: float = 0.5):
+                 theta: float = 0.5, dropout: float = 0.5, cached: bool = False):
         super().__init__()
         from torch_geometric.nn import GCN2Conv
 
         self.lin_in, self.lin_out = nn.Linear(in_dim, hidden), nn.Linear(hidden, classes)
-        self.convs = nn.ModuleList([GCN2Conv(hidden, alpha, theta, layer=i + 1) for i in range(layers)])
+        self.convs = nn.ModuleList([GCN2Conv(hidden, alpha, theta, layer=i + 1, cached=cached)
+                                    for i in range(layers)])
         self.act, self.dropout = nn.ReLU(), nn.Dropout(dropout)
 
     def forward(self, x, adj):
@@ -159,11 +173,21 @@ class GCNII(nn.Module):
         return self.lin_out(self.dropout(x))
 
 
-def gnn(kind: str, in_dim: int, hidden: int, classes: int) -> nn.Module:
+def gnn(kind: str, in_dim: int, hidden: int, classes: int, layers: int | None = None,
+        cached: bool = False) -> nn.Module:
     """A node classifier of ``kind`` (one of ``GNN_MODELS``) taking ``(x, adj)``, ``adj`` an ``edge_index`` or a
-    sparse adjacency (``lightning_act.datasets.adjacency``)."""
+    sparse CSR adjacency (``lightning_act.datasets.adjacency(data, "sparse")``, PyG's ``adj_t``).
+
+    ``layers``: graph convolutions (default 2; GCNII 8). ``cached``: GCN and GCNII normalize the adjacency in
+    their first forward and reuse it (full-batch training on one graph; a model so built must not see another).
+    With a sparse adjacency GCN, GCNII and GraphSAGE aggregate by a sparse-dense product and materialise no
+    edge-sized messages (GAT's attention is per edge whatever the input)."""
     if kind not in GNN_MODELS:
         raise ValueError(f"unknown model {kind!r}; allowed: {', '.join(GNN_MODELS)}")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ValueError(f"layers={layers!r}; expected an integer >= 1")
     if importlib.util.find_spec("torch_geometric") is None:
         raise ImportError("the GNN models need torch_geometric: pip install 'lightning-act[gnn]'")
-    return GCNII(in_dim, hidden, classes) if kind == "gcnii" else TwoLayerGNN(kind, in_dim, hidden, classes)
+    if kind == "gcnii":
+        return GCNII(in_dim, hidden, classes, layers or 8, cached=cached)
+    return StackedGNN(kind, in_dim, hidden, classes, layers or 2, cached=cached)

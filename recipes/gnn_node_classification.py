@@ -7,7 +7,11 @@ directly, graspologic itself is not imported: ``pip install --no-deps graspologi
 ``Cora``, ``CiteSeer``, ``PubMed`` (Planetoid) and ``ogbn-*`` (needs the ``ogb`` package).
 
     python recipes/gnn_node_classification.py [--dataset synthetic] [--model all] [--epochs 100] [--bits 4]
-    python recipes/gnn_node_classification.py --dataset Cora --model gcnii --adjacency sparse
+    python recipes/gnn_node_classification.py --dataset Cora --model gcnii --adjacency edge_index
+
+The adjacency is sparse by default (a CSR ``adj_t``): GCN, GCNII and GraphSAGE then aggregate by a sparse-dense
+product, so what a step holds is node-sized and mostly saved activations, which compression shrinks; over an
+``edge_index`` they materialise edge-sized messages that compression does not touch (GAT does either way).
 
 Prints, per model, the baseline-vs-compressed summary (test accuracy, activation bytes, ratio, step-time
 ratio) and the compressed run's statistics per layer; writes TensorBoard logs under ``--logdir``.
@@ -68,7 +72,7 @@ def _ogb(name: str, root: str):
 def train(args, data, kind: str, compress: bool, writer=None) -> tuple[RunResult, str]:
     """Full-batch training; returns the run and, when compressed, the per-layer table of the last step."""
     torch.manual_seed(args.seed)
-    model = gnn(kind, data.num_features, args.hidden, int(data.y.max()) + 1)
+    model = gnn(kind, data.num_features, args.hidden, int(data.y.max()) + 1, args.layers, cached=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=5e-4)
     adj = adjacency(data, args.adjacency)
     compressor = act.ActivationCompressor(model, act.ACTConfig(bits=args.bits, adaptive=False, min_numel=args.min_numel))
@@ -105,12 +109,14 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="all", choices=GNN_MODELS + ("all",))
     parser.add_argument("--epochs", type=int, default=100)
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=None, help="graph convolutions (default: 2; GCNII 8)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--bits", type=int, default=4, help="bits per activation element (1, 2, 4, 8)")
     parser.add_argument("--min-numel", type=int, default=256,
                         help="saved tensors with fewer elements are kept as they are (small graphs: keep low)")
-    parser.add_argument("--adjacency", choices=("edge_index", "sparse"), default="edge_index",
-                        help="edge_index (int64 pairs) or a sparse CSR adjacency")
+    parser.add_argument("--adjacency", choices=("sparse", "edge_index"), default="sparse",
+                        help="sparse: a CSR adjacency (no edge-sized messages in GCN, GCNII, SAGE); edge_index: "
+                             "int64 pairs")
     parser.add_argument("--root", default="data", help="download directory for Planetoid/OGB")
     parser.add_argument("--logdir", default="runs/gnn", help="TensorBoard log directory")
     parser.add_argument("--seed", type=int, default=0)

@@ -128,3 +128,21 @@ def test_max_batch_search_on_a_linear_peak_curve(monkeypatch, limit):
     found = bench_max_batch.largest_batch(None, None, budget, max_batch=4096, tolerance=0.0)
     assert found["batch"] == min(limit, 4096) and found["capped"] == (limit >= 4096)
     assert len(measured) <= 12  # the secant lands next to the limit; never a bisection of 4096
+
+
+def test_bench_gnn_sparse_quick_measures_every_configuration(tmp_path):
+    pytest.importorskip("torch_geometric")
+    out = tmp_path / "gnn_sparse.md"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gnn_sparse.py"), "--quick", "--out",
+                             str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peaks = {}
+    for line in out.read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0] == "2":  # layers, config, peak MiB, peak ÷, saved / stored MiB, step s
+            peaks[cells[1]] = float(cells[2])
+            assert float(cells[5]) > 0
+    assert set(peaks) == {"edge_index, uncompressed", "sparse, uncompressed", "sparse, 4-bit", "sparse, 2-bit",
+                          "sparse, L1 (auto-precision)", "sparse, checkpoint per layer"}
+    assert peaks["edge_index, uncompressed"] > peaks["sparse, uncompressed"] > 0
+    assert "| sparse | 4-bit |" in out.read_text()

@@ -72,7 +72,8 @@ class ScaledMaskCodec(Codec):
         _float_input(self.name, x)
         flat = x.reshape(-1)
         nonzero = flat != 0
-        scale = flat[nonzero.to(torch.uint8).argmax()].reshape(1) if flat.numel() else flat.new_zeros(1)
+        # clone: indexing with a 0-dim tensor returns a view, which would keep the whole input alive
+        scale = flat[nonzero.to(torch.uint8).argmax()].reshape(1).clone() if flat.numel() else flat.new_zeros(1)
         if not torch.equal(torch.where(nonzero, scale, flat.new_zeros(())), flat):
             raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one value; got "
                              f"a tensor of shape {list(x.shape)} with several non-zero values")
