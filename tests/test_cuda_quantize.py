@@ -356,6 +356,27 @@ def test_shim_primitives_match_numpy():
 
 @pytest.mark.toolchain
 @requires_gxx
+def test_shim_vector_types_move_the_bytes():
+    """float4 / uint4 / double2 / uint2 loads and stores (what load_chunk / store_chunk and the payload words use), in
+    a __launch_bounds__ kernel calling a __noinline__ function."""
+    module = EmulatedModule(Path(__file__).parent / "cuda_emulation" / "selftest.cu")
+    rng = np.random.default_rng(1)
+    n = 70  # two blocks of 64, the second partial
+    a = rng.standard_normal(4 * n).astype(np.float32)
+    b = rng.integers(0, 1 << 32, 4 * n, dtype=np.uint64).astype(np.uint32)
+    c = rng.standard_normal(2 * n)
+    d = rng.integers(0, 1 << 31, 2 * n, dtype=np.uint64).astype(np.uint32)
+    a_out, b_out, c_out, d_out = np.zeros_like(a), np.zeros_like(b), np.zeros_like(c), np.zeros(n, np.uint32)
+    ptr = lambda v: np.uint64(v.ctypes.data)  # noqa: E731
+    assert all(v.ctypes.data % 16 == 0 for v in (a, b, c, d, a_out, b_out, c_out))
+    module.launch("vector_types", (2, 1, 1), (64, 1, 1),
+                  [ptr(a), ptr(b), ptr(c), ptr(d), np.int64(n), ptr(a_out), ptr(b_out), ptr(c_out), ptr(d_out)], 0)
+    assert a_out.tobytes() == a.tobytes() and b_out.tobytes() == b.tobytes() and c_out.tobytes() == c.tobytes()
+    assert d_out.tolist() == ((d[0::2].astype(np.uint64) + d[1::2]) % (1 << 32)).tolist()
+
+
+@pytest.mark.toolchain
+@requires_gxx
 def test_shim_float_operations_give_the_gpu_nan():
     """NaN results of the emulated operations are 0x7fffffff, a GPU's canonical NaN, whatever NaN went in (x86
     would keep an operand's payload and sign); other results are the IEEE ones."""

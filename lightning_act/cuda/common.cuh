@@ -152,9 +152,10 @@ __device__ __forceinline__ unsigned int quantize_one(float x, float mn, float in
 }
 
 // ---- chunks of 8 consecutive elements: 16-byte vector loads and stores ----
-// CHUNK elements start at a multiple of 8 (so hi32 of their indices is one, see uniform24_key). A chunk moves
-// as 16-byte vectors (float32: 2, 16-bit: 1, float64: 4) when its pointer is 16-byte aligned and the chunk lies
-// wholly inside the tensor; otherwise one element at a time (views at odd offsets, the tensor's last chunk).
+// Chunks start at a multiple of 8 in the flat tensor (so hi32 of their indices is one, see uniform24_key). A
+// chunk moves as 16-byte vectors (float32: 2, 16-bit: 1, float64: 4) when the address of its first element is
+// 16-byte aligned and the chunk lies wholly inside the tensor (the caller decides: `vector`); otherwise one
+// element at a time (views at odd offsets, the tensor's last chunk).
 #define CHUNK 8
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }
@@ -164,19 +165,19 @@ __device__ __forceinline__ float bits16_to_float(unsigned int h) {
     return DTYPE == DTYPE_FLOAT16 ? half_to_float((unsigned short)h) : bf16_to_float((unsigned short)h);
 }
 
-// elements e0 .. e0 + 7 as float32 (float64 rounded to nearest even); vector: the 16-byte path (x aligned, chunk
-// whole), else the first `count` elements one by one and 0 for the rest
+// elements e0 .. e0 + 7 as float32 (float64 rounded to nearest even); vector: the 16-byte path (element e0's
+// address aligned, chunk whole), else the first `count` elements one by one and 0 for the rest
 template <int DTYPE>
 __device__ __forceinline__ void load_chunk(const void* __restrict__ x, long long e0, bool vector, int count,
                                            float v[CHUNK]) {
     if (vector) {
         if (DTYPE == DTYPE_FLOAT32) {
-            const float4* p = (const float4*)x + (e0 >> 2);
+            const float4* p = (const float4*)((const float*)x + e0);
             const float4 a = p[0], b = p[1];
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
             v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         } else if (DTYPE == DTYPE_FLOAT64) {
-            const double2* p = (const double2*)x + (e0 >> 1);
+            const double2* p = (const double2*)((const double*)x + e0);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const double2 d = p[k];
@@ -184,7 +185,7 @@ __device__ __forceinline__ void load_chunk(const void* __restrict__ x, long long
                 v[2 * k + 1] = __double2float_rn(d.y);
             }
         } else {  // 16-bit: element e0 + 2k is the low half of word k (little-endian)
-            const uint4 r = ((const uint4*)x)[e0 >> 3];
+            const uint4 r = *(const uint4*)((const unsigned short*)x + e0);
             const unsigned int w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
@@ -208,14 +209,14 @@ __device__ __forceinline__ void store_chunk(void* __restrict__ out, long long e0
             unsigned int u[CHUNK];
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) u[j] = v[j] != v[j] ? CANONICAL_NAN_F32 : __float_as_uint(v[j]);
-            uint4* p = (uint4*)out + (e0 >> 2);
+            uint4* p = (uint4*)((float*)out + e0);
             uint4 a, b;
             a.x = u[0]; a.y = u[1]; a.z = u[2]; a.w = u[3];
             b.x = u[4]; b.y = u[5]; b.z = u[6]; b.w = u[7];
             p[0] = a;
             p[1] = b;
         } else if (DTYPE == DTYPE_FLOAT64) {
-            double2* p = (double2*)out + (e0 >> 1);
+            double2* p = (double2*)((double*)out + e0);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 double2 d;
@@ -234,7 +235,7 @@ __device__ __forceinline__ void store_chunk(void* __restrict__ out, long long e0
             }
             uint4 r;
             r.x = w[0]; r.y = w[1]; r.z = w[2]; r.w = w[3];
-            ((uint4*)out)[e0 >> 3] = r;
+            *(uint4*)((unsigned short*)out + e0) = r;
         }
     } else {
 #pragma unroll

@@ -184,6 +184,11 @@ T atomicAdd(T* address, T v) {
     return std::atomic_ref<T>(*address).fetch_add(v);
 }
 template <class T>
+T atomicCAS(T* address, T compare, T value) {
+    std::atomic_ref<T>(*address).compare_exchange_strong(compare, value);
+    return compare;  // the old value, whether or not it was swapped
+}
+template <class T>
 T atomicMax(T* address, T v) {
     std::atomic_ref<T> a(*address);
     T old = a.load();
