@@ -377,6 +377,18 @@ def test_shim_vector_types_move_the_bytes():
 
 @pytest.mark.toolchain
 @requires_gxx
+def test_shim_atomic_cas_keeps_every_racing_update():
+    """32 threads a warp, 16 a word, each setting its bit with a compare-and-swap loop on a word whose other bits
+    hold a pattern: every bit set, the pattern kept (division.cu writes chunks shared by two planes this way)."""
+    module = EmulatedModule(Path(__file__).parent / "cuda_emulation" / "selftest.cu")
+    n = 2 * 128 - 16  # the second block's last 16 threads have no word
+    words = np.full(n // 16, 0xAAAAAAAA, np.uint32)  # odd bits set: the threads own the even ones
+    module.launch("masked_swaps", (2, 1, 1), (128, 1, 1), [np.uint64(words.ctypes.data), np.int64(n)], 0)
+    assert words.tolist() == [0xFFFFFFFF] * (n // 16)
+
+
+@pytest.mark.toolchain
+@requires_gxx
 def test_shim_float_operations_give_the_gpu_nan():
     """NaN results of the emulated operations are 0x7fffffff, a GPU's canonical NaN, whatever NaN went in (x86
     would keep an operand's payload and sign); other results are the IEEE ones."""

@@ -86,32 +86,42 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
             count[s] = chunk_count(q, group, groups, e0[s], numel);
             load_chunk<DTYPE>(x, e0[s], x_vector && count[s] == CHUNK, count[s], v[s]);
         }
-        // the short last group skips its missing elements (the spec pads with copies of its last element, which
-        // leaves min and max unchanged)
+        // min and max with fminf / fmaxf (one instruction each, NaN ignored) and a NaN flag (torch.amin / amax
+        // propagate NaN: a group holding one gets NaN for both, below). The short last group skips its missing
+        // elements (the spec pads with copies of its last element, which leaves min and max unchanged).
+        bool nan[SLOTS];
 #pragma unroll
         for (int s = 0; s < SLOTS; ++s) {
             lo[s] = __uint_as_float(0x7f800000u);
             hi[s] = __uint_as_float(0xff800000u);
+            nan[s] = false;
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
                 if (j < count[s]) {
-                    lo[s] = nan_min(lo[s], v[s][j]);
-                    hi[s] = nan_max(hi[s], v[s][j]);
+                    lo[s] = fminf(lo[s], v[s][j]);
+                    hi[s] = fmaxf(hi[s], v[s][j]);
+                    nan[s] = nan[s] || v[s][j] != v[s][j];
                 }
             }
         }
-        // inside the warp: xor shuffles over the team's lanes
+        // inside the warp: xor shuffles over the team's lanes, one vote for the NaN flags
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) {
             if (offset < q.team_lanes) {
 #pragma unroll
                 for (int s = 0; s < SLOTS; ++s) {
-                    lo[s] = nan_min(lo[s], __shfl_xor_sync(FULL_WARP, lo[s], offset));
-                    hi[s] = nan_max(hi[s], __shfl_xor_sync(FULL_WARP, hi[s], offset));
+                    lo[s] = fminf(lo[s], __shfl_xor_sync(FULL_WARP, lo[s], offset));
+                    hi[s] = fmaxf(hi[s], __shfl_xor_sync(FULL_WARP, hi[s], offset));
                 }
             }
         }
-        // lanes may differ in which NaN or which signed zero won: the team uses its first lane's, which is stored
+        const int first_lane = lane & ~(q.team_lanes - 1);
+        const unsigned int team_mask = q.team_lanes == 32 ? FULL_WARP : ((1u << q.team_lanes) - 1u) << first_lane;
+#pragma unroll
+        for (int s = 0; s < SLOTS; ++s) {
+            if (__ballot_sync(FULL_WARP, nan[s]) & team_mask) lo[s] = hi[s] = __uint_as_float(CANONICAL_NAN_F32);
+        }
+        // lanes may differ in which signed zero won: the team uses its first lane's, which is stored
         if (q.team_warps > 1) {
             if (lane == 0) {
 #pragma unroll
@@ -133,7 +143,6 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
             }
             parity ^= 1;
         } else {
-            const int first_lane = lane & ~(q.team_lanes - 1);
 #pragma unroll
             for (int s = 0; s < SLOTS; ++s) {
                 lo[s] = __shfl_sync(FULL_WARP, lo[s], first_lane);
