@@ -178,23 +178,27 @@ __device__ __noinline__ void encode_planes(const void* __restrict__ x, long long
             plane_lfc[c] = float_to_bf16(__fdiv_rn(sum0, __fmul_rn(__fmul_rn(e0, e1), e2)));
         }
         __syncthreads();  // the block's lfc stores are visible to the whole block
-        // min / max of the residual x - upsampled lfc: 8 consecutive elements a thread, then shuffles, then
-        // shared memory across warps, reduced in the same order by every thread
+        // min / max of the residual x - upsampled lfc: 8 consecutive elements a thread (fminf / fmaxf and a NaN
+        // flag: torch.amin / amax propagate NaN), then shuffles and one vote, then shared memory across warps,
+        // reduced in the same order by every thread
         float lo = __uint_as_float(0x7f800000u), hi = __uint_as_float(0xff800000u);
+        bool nan = false;
         for (int k0 = CHUNK * threadIdx.x; k0 < l.plane; k0 += CHUNK * blockDim.x) {
             PlaneWalk w = plane_walk(l, k0);
             const int count = min(CHUNK, l.plane - k0);
             for (int j = 0; j < count; ++j) {
                 const float r = __fsub_rn(PLANE_VALUE(k0 + j), bf16_to_float(plane_lfc[w.cell]));
-                lo = nan_min(lo, r);
-                hi = nan_max(hi, r);
+                lo = fminf(lo, r);
+                hi = fmaxf(hi, r);
+                nan = nan || r != r;
                 plane_step(l, w);
             }
         }
         for (int offset = 16; offset > 0; offset >>= 1) {
-            lo = nan_min(lo, __shfl_xor_sync(FULL_WARP, lo, offset));
-            hi = nan_max(hi, __shfl_xor_sync(FULL_WARP, hi, offset));
+            lo = fminf(lo, __shfl_xor_sync(FULL_WARP, lo, offset));
+            hi = fmaxf(hi, __shfl_xor_sync(FULL_WARP, hi, offset));
         }
+        if (__ballot_sync(FULL_WARP, nan)) lo = hi = __uint_as_float(CANONICAL_NAN_F32);
         if (lane == 0) {
             warp_lo[warp] = lo;
             warp_hi[warp] = hi;
