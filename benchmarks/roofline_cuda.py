@@ -145,7 +145,7 @@ def main() -> None:
                                  else (compressed, DTYPE_BYTES[dtype]))
                 lines.append(row(kernel, dtype, bits, nbytes, INSTRUCTIONS[kernel][dtype], read, written))
     plane, cell = 56 * 56, 8 * 8
-    lines += ["", f"## division (planes of 56 x 56, block 8: bfloat16 block means and statistics)", "", header,
+    lines += ["", "## division (planes of 56 x 56, block 8: bfloat16 block means and statistics)", "", header,
               rule]
     for kernel in ("division_encode", "division_decode"):
         for dtype in DTYPE_BYTES:

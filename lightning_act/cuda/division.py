@@ -7,6 +7,7 @@ Encode and decode are one launch each on the current stream: one block per plane
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -27,8 +28,13 @@ RESIDENT_THREADS_PER_SM = 1024  # the grid is at most one wave of resident block
 
 def _launch_config(planes: int, plane: int, multiprocessors: int):
     """(grid, block): a block per plane, a thread per 8 of its elements (32 to ``THREADS``)."""
+    return _config(planes, plane, multiprocessors, launcher.MAX_BLOCKS)
+
+
+@functools.lru_cache(maxsize=4096)  # shapes repeat every step: a hit costs less than the arithmetic
+def _config(planes: int, plane: int, multiprocessors: int, max_blocks: int):
     threads = min(THREADS, max(32, -(-plane // 256) * 32))
-    blocks = min(planes, launcher.MAX_BLOCKS, multiprocessors * max(1, RESIDENT_THREADS_PER_SM // threads))
+    blocks = min(planes, max_blocks, multiprocessors * max(1, RESIDENT_THREADS_PER_SM // threads))
     return (blocks, 1, 1), (threads, 1, 1)
 
 

@@ -6,6 +6,8 @@ count (``launcher.multiprocessors``) and stride over the groups.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -62,6 +64,11 @@ def _launch_config(numel: int, group_size: int, multiprocessors: int = launcher.
     ``32 // chunks`` teams when that divides, else a team is whole warps; a block has up to ``BLOCK_WARPS`` warps
     (never more than its groups need) and handles ``SLOTS`` groups per team per iteration; the grid is at most one
     wave at full occupancy, grid-stride beyond."""
+    return _config(numel, group_size, multiprocessors, launcher.MAX_BLOCKS)
+
+
+@functools.lru_cache(maxsize=4096)  # shapes repeat every step: a hit costs less than the arithmetic
+def _config(numel: int, group_size: int, multiprocessors: int, max_blocks: int):
     groups = -(-numel // group_size)
     chunks = group_size // CHUNK
     if 32 % chunks == 0:
@@ -71,7 +78,7 @@ def _launch_config(numel: int, group_size: int, multiprocessors: int = launcher.
     units = max(1, min(BLOCK_WARPS // unit_warps, -(-groups // (unit_groups * SLOTS))))
     threads = 32 * unit_warps * units
     resident = multiprocessors * max(1, RESIDENT_THREADS_PER_SM // threads)
-    blocks = min(-(-groups // (unit_groups * units * SLOTS)), resident, launcher.MAX_BLOCKS)
+    blocks = min(-(-groups // (unit_groups * units * SLOTS)), resident, max_blocks)
     return (blocks, 1, 1), (threads, 1, 1), 0
 
 
