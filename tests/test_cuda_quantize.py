@@ -53,6 +53,20 @@ def test_random_tensors_bit_identical(runner, bits, dtype, stats_dtype, shape, g
     check_quantize(runner, x, bits, group_size, stats_dtype)
 
 
+@pytest.mark.parametrize("group_size", [96, 160, 288, 512, 8192])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 8])
+@pytest.mark.toolchain
+@requires_gxx
+def test_team_shapes_bit_identical(runner, bits, dtype, group_size):
+    """Groups whose team is part of a warp with idle lanes (96, 160: 12 and 20 chunks of 8), spans warps with idle
+    lanes (288: 36 chunks on 2 warps) or whole warps reduced through shared memory (512, 8192: 2 and 32 warps, the
+    largest block); a short last group in each."""
+    torch.manual_seed(group_size)
+    x = (torch.randn(2 * group_size + 77) * 3).to(dtype)
+    check_quantize(runner, x, bits, group_size, torch.float32)
+
+
 def _special(case: str) -> torch.Tensor:
     torch.manual_seed(0)
     x = torch.randn(300)
