@@ -5,6 +5,7 @@ compare by value, as in test_cuda_quantize)."""
 import pytest
 import torch
 
+import lightning_act.cuda.division as cuda_division
 import lightning_act.cuda.launcher as launcher
 from lightning_act.codecs.division import DivisionCodec
 from lightning_act.cuda.division import division_decode_cuda, division_encode_cuda
@@ -83,8 +84,53 @@ def test_nan_payloads_store_the_same_bits(runner, dtype, spatial):
 def test_grid_stride_loops_cover_work_beyond_the_grid(runner, monkeypatch):
     monkeypatch.setattr(launcher, "MAX_BLOCKS", 2)
     runner.launches.clear()
-    check_division(runner, torch.randn(6, 96, 64), 8, 4)  # 576 cells, 6 planes: 2 blocks each
+    check_division(runner, torch.randn(6, 96, 64), 8, 4)  # 6 planes: a block each
     assert {launch[2] for launch in runner.launches} == {(2, 1, 1)}
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("shape", [(9, 3), (7, 5), (5, 2, 7), (3, 13)], ids=str)
+@pytest.mark.toolchain
+@requires_gxx
+def test_planes_sharing_payload_bytes(runner, shape, bits):
+    """Planes whose codes do not end on a chunk of 8 elements: a chunk's bytes hold codes of two or more planes,
+    each written by its own block with masked swaps, and the payload's last byte is padded with zero codes."""
+    torch.manual_seed(bits)
+    check_division(runner, torch.randn(shape) * 2, 2, bits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_plane_too_big_to_stage_is_read_from_global_memory(runner, dtype):
+    """A plane beyond the shared-memory stage (launcher.STAGE_MAX elements): every phase reads it from global
+    memory instead, with the same bits."""
+    torch.manual_seed(3)
+    x = (torch.randn(2, 111, 113) * 3).to(dtype)
+    assert x[0].numel() > cuda_division.STAGE_MAX
+    runner.launches.clear()
+    check_division(runner, x, 8, 2)
+    assert [(launch[1], launch[5]) for launch in runner.launches] == [("division_encode", 0), ("division_decode", 0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.toolchain
+@requires_gxx
+def test_unaligned_input_takes_the_element_path(runner, dtype):
+    """An input view that does not start on 16 bytes: planes are staged element by element."""
+    x = (torch.randn(4 * 64 + 1) * 2).to(dtype)[1:].view(4, 8, 8)
+    assert x.data_ptr() % 16
+    check_division(runner, x, 8, 4)
+
+
+@pytest.mark.parametrize("planes, plane, expected", [
+    (6, 100, ((6, 1, 1), (32, 1, 1))),             # a warp for a plane of up to 256 elements
+    (6, 768, ((6, 1, 1), (96, 1, 1))),             # a thread per 8 elements
+    (10**6, 56 * 56, ((132 * 4, 1, 1), (256, 1, 1))),  # at most 256 threads; one wave: 4 blocks on each of 132 SMs
+    (10**6, 49, ((132 * 32, 1, 1), (32, 1, 1))),
+])
+def test_launch_configuration(planes, plane, expected):
+    assert cuda_division._launch_config(planes, plane, 132) == expected
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 10, 12), (6, 50), (1,), (3, 1, 40, 40)], ids=str)

@@ -38,8 +38,7 @@ def _lorenzo_with_escapes(runner, dtype):
 
 KERNEL_INPUTS = {
     "quantize.cu": {"quantize_encode": _quantize, "quantize_decode": _quantize},
-    "division.cu": {"division_lfc": _division, "division_stats": _division, "division_encode": _division,
-                    "division_decode": _division},
+    "division.cu": {"division_encode": _division, "division_decode": _division},
     "lorenzo.cu": {"lorenzo_header": _lorenzo_with_escapes, "lorenzo_payload": _lorenzo_with_escapes,
                    "lorenzo_sizes": _lorenzo_with_escapes, "lorenzo_decode": _lorenzo_with_escapes},
 }

@@ -53,6 +53,20 @@ def test_random_tensors_bit_identical(runner, bits, dtype, stats_dtype, shape, g
     check_quantize(runner, x, bits, group_size, stats_dtype)
 
 
+@pytest.mark.parametrize("group_size", [96, 160, 288, 512, 8192])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 8])
+@pytest.mark.toolchain
+@requires_gxx
+def test_team_shapes_bit_identical(runner, bits, dtype, group_size):
+    """Groups whose team is part of a warp with idle lanes (96, 160: 12 and 20 chunks of 8), spans warps with idle
+    lanes (288: 36 chunks on 2 warps) or whole warps reduced through shared memory (512, 8192: 2 and 32 warps, the
+    largest block); a short last group in each."""
+    torch.manual_seed(group_size)
+    x = (torch.randn(2 * group_size + 77) * 3).to(dtype)
+    check_quantize(runner, x, bits, group_size, torch.float32)
+
+
 def _special(case: str) -> torch.Tensor:
     torch.manual_seed(0)
     x = torch.randn(300)
@@ -162,30 +176,49 @@ def test_decode_of_arbitrary_statistics(runner, dtype, stats_dtype):
     assert_same_bits(dequantize_cuda(*args, runner=runner), dequantize_reference(*args))
 
 
+@pytest.mark.parametrize("group_size", [64, 256, 512])
 @pytest.mark.toolchain
 @requires_gxx
-def test_grid_stride_loop_covers_groups_beyond_the_grid(runner, monkeypatch):
+def test_grid_stride_loop_covers_groups_beyond_the_grid(runner, monkeypatch, group_size):
     monkeypatch.setattr(launcher, "MAX_BLOCKS", 2)
-    x = torch.randn(40 * 64 + 17)
+    x = torch.randn(41 * 512 + 17)  # groups of 64: 4 teams a warp, 8 warps, 2 slots: 64 groups a block iteration
     runner.launches.clear()
-    check_quantize(runner, x, 4, 64, torch.float32)
-    assert [launch[2] for launch in runner.launches] == [(2, 1, 1), (2, 1, 1)]  # 41 groups on 2 blocks of 8 warps
+    check_quantize(runner, x, 4, group_size, torch.float32)
+    assert [launch[2] for launch in runner.launches] == [(2, 1, 1), (2, 1, 1)]
 
 
 @pytest.mark.toolchain
 @requires_gxx
-def test_writes_stay_inside_their_buffers(runner):
-    """Outputs placed inside larger canary-filled buffers: nothing past the last payload byte or element."""
-    x = torch.randn(1001)  # 1001 * 2 bits = 251 bytes: the last 32-bit word is partial
-    payload_room = torch.full((251 + 4,), 0xAB, dtype=torch.uint8)
-    mn_room, step_room = torch.full((4 + 1,), -7.0), torch.full((4 + 1,), -7.0)
-    quantize_cuda(x, 2, 256, torch.float32, 0, 0, runner=runner, out=(payload_room[:251], mn_room[:4], step_room[:4]))
-    assert payload_room[251:].eq(0xAB).all() and mn_room[4] == -7.0 and step_room[4] == -7.0
-    expected = quantize_reference(x, 2, 256, torch.float32, 0, 0)
-    assert torch.equal(payload_room[:251], expected[0])
-    out_room = torch.full((1001 + 3,), -7.0)
-    dequantize_cuda(*expected, 1001, 2, 256, torch.float32, runner=runner, out=out_room[:1001])
-    assert out_room[1001:].eq(-7.0).all()
+def test_grid_is_sized_to_the_multiprocessors(runner):
+    """A runner reporting its SM count gets at most one wave of resident blocks; the kernels stride beyond."""
+    runner.multiprocessors = lambda device: 1
+    x = torch.randn(300 * 64)
+    runner.launches.clear()
+    check_quantize(runner, x, 2, 64, torch.bfloat16)
+    threads = cuda_quantize.RESIDENT_THREADS_PER_SM // 256
+    assert [launch[2:4] for launch in runner.launches] == [((threads, 1, 1), (256, 1, 1))] * 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.toolchain
+@requires_gxx
+def test_unaligned_views_take_the_element_path(runner, bits, dtype):
+    """Inputs, payloads and outputs that do not start on 16 (or 8) bytes: the kernels check the pointers and
+    read or write one element (byte) at a time where a vector would be misaligned."""
+    x = (torch.randn(2 * 256 + 41) * 2).to(dtype)[1:]
+    assert x.data_ptr() % 16
+    check_quantize(runner, x, bits, 64, torch.float32)
+    expected = quantize_reference(x, bits, 64, torch.float32, 3, 11)
+    nbytes, groups = expected[0].numel(), expected[1].numel()
+    payload_room = torch.zeros(nbytes + 8, dtype=torch.uint8)
+    out = (payload_room[4:4 + nbytes], torch.empty(groups), torch.empty(groups))
+    assert_same_encoding(quantize_cuda(x, bits, 64, torch.float32, 3, 11, runner=runner, out=out), expected)
+    decode_args = (out[0], *expected[1:], x.numel(), bits, 64, dtype)
+    out_room = torch.empty(x.numel() + 1, dtype=dtype)
+    decoded = dequantize_cuda(*decode_args, runner=runner, out=out_room[1:])
+    assert decoded.data_ptr() % 16
+    assert_same_bits(decoded, dequantize_reference(*decode_args))
 
 
 def test_empty_tensor_launches_nothing():
@@ -197,13 +230,18 @@ def test_empty_tensor_launches_nothing():
 
 
 @pytest.mark.parametrize("numel, group_size, expected", [
-    (1, 256, ((1, 1, 1), (32, 1, 1), 1024)),                   # never more warps than groups
-    (1800, 256, ((1, 1, 1), (256, 1, 1), 8 * 256 * 4)),        # 8 groups: one block of 8 warps
-    (100_000, 256, ((49, 1, 1), (256, 1, 1), 8 * 256 * 4)),    # 391 groups
-    (100_000, 8192, ((13, 1, 1), (32, 1, 1), 8192 * 4)),       # stage of 32 KiB: one warp per block
+    (1, 256, ((1, 1, 1), (32, 1, 1), 0)),                      # never more warps than the groups need
+    (1800, 256, ((1, 1, 1), (128, 1, 1), 0)),                  # 8 groups: 4 warps of one team, 2 slots each
+    (100_000, 256, ((25, 1, 1), (256, 1, 1), 0)),              # 391 groups, 16 a block iteration
+    (100_000, 64, ((25, 1, 1), (256, 1, 1), 0)),               # 4 teams a warp: 64 groups a block iteration
+    (100_000, 96, ((66, 1, 1), (256, 1, 1), 0)),               # 12 chunks: a warp a team, 20 lanes idle
+    (100_000, 2048, ((25, 1, 1), (256, 1, 1), 0)),             # a team of 8 warps
+    (100_000, 8192, ((7, 1, 1), (1024, 1, 1), 0)),             # a team of 32 warps
+    (10**9, 256, ((4 * 132, 1, 1), (256, 1, 1), 0)),           # one wave: 4 blocks of 256 on each of 132 SMs
+    (10**9, 8192, ((132, 1, 1), (1024, 1, 1), 0)),
 ])
 def test_launch_configuration(numel, group_size, expected):
-    assert cuda_quantize._launch_config(numel, group_size, staged=True) == expected
+    assert cuda_quantize._launch_config(numel, group_size) == expected
 
 
 # ---- the same launcher code drives CuPy: a stand-in CuPy module whose kernels run on the emulator ----
@@ -213,6 +251,7 @@ class FakeCupy:
 
     def __init__(self, tmp_path):
         self.modules, self.devices, self.streams, self.launch_streams = [], [], [], []
+        self.attribute_reads, self.grids = [], []
         fake = self
 
         class RawModule:
@@ -225,14 +264,21 @@ class FakeCupy:
             def get_function(self, name):
                 def call(grid, block, args, *, shared_mem=0, stream=None):
                     fake.launch_streams.append(stream)
+                    fake.grids.append(grid)
                     self._module.launch(name, grid, block, args, shared_mem)
                 return call
 
         class Device:
             def __init__(self, index):
-                fake.devices.append(index)
+                self.index = index
+
+            @property
+            def attributes(self):
+                fake.attribute_reads.append(self.index)
+                return {"MultiProcessorCount": 3}
 
             def __enter__(self):
+                fake.devices.append(self.index)
                 return self
 
             def __exit__(self, *exc):
@@ -269,6 +315,26 @@ def test_cupy_runner_code_path_on_the_emulator(tmp_path, monkeypatch):
     # when torch's current device is the tensors' (the launch path runs several times per saved tensor)
     assert fake.streams == [(0xC0FFEE, 0)]
     assert [s.ptr for s in fake.launch_streams] == [0xC0FFEE] * 4 and fake.devices == []
+    # the SM count is read once per device and sizes the grid
+    assert fake.attribute_reads == [0]
+    assert fake.grids == [cuda_quantize._launch_config(x.numel(), 128, 3)[0]] * 4
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_cupy_runner_sizes_grids_to_the_multiprocessors(tmp_path, monkeypatch):
+    """A tensor big enough for more blocks than one wave: the grid is capped by the reported SM count and the
+    kernels' grid-stride loops cover the rest."""
+    fake = FakeCupy(tmp_path)
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=1))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    runner = CupyRunner()
+    runner.device_type = "cpu"
+    x = torch.randn(13 * 128 * 32 + 100)  # groups of 32: 128 a block iteration (8 warps of 8 teams, 2 slots)
+    encoded = quantize_cuda(x, 2, 32, torch.float32, 1, 2, runner=runner)
+    assert_same_encoding(encoded, quantize_reference(x, 2, 32, torch.float32, 1, 2))
+    assert fake.grids == [(3 * cuda_quantize.RESIDENT_THREADS_PER_SM // 256, 1, 1)]
 
 
 @pytest.mark.toolchain
@@ -300,6 +366,39 @@ def test_shim_primitives_match_numpy():
     bits = (padded.reshape(-1, 32) > 0).astype(np.uint64) << np.arange(32, dtype=np.uint64)
     assert ballots.tolist() == bits.sum(axis=1).tolist()
     assert lane0.tolist() == np.repeat(padded[::32], 32).tolist()
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_shim_vector_types_move_the_bytes():
+    """float4 / uint4 / double2 / uint2 loads and stores (what load_chunk / store_chunk and the payload words use), in
+    a __launch_bounds__ kernel calling a __noinline__ function."""
+    module = EmulatedModule(Path(__file__).parent / "cuda_emulation" / "selftest.cu")
+    rng = np.random.default_rng(1)
+    n = 70  # two blocks of 64, the second partial
+    a = rng.standard_normal(4 * n).astype(np.float32)
+    b = rng.integers(0, 1 << 32, 4 * n, dtype=np.uint64).astype(np.uint32)
+    c = rng.standard_normal(2 * n)
+    d = rng.integers(0, 1 << 31, 2 * n, dtype=np.uint64).astype(np.uint32)
+    a_out, b_out, c_out, d_out = np.zeros_like(a), np.zeros_like(b), np.zeros_like(c), np.zeros(n, np.uint32)
+    ptr = lambda v: np.uint64(v.ctypes.data)  # noqa: E731
+    assert all(v.ctypes.data % 16 == 0 for v in (a, b, c, d, a_out, b_out, c_out))
+    module.launch("vector_types", (2, 1, 1), (64, 1, 1),
+                  [ptr(a), ptr(b), ptr(c), ptr(d), np.int64(n), ptr(a_out), ptr(b_out), ptr(c_out), ptr(d_out)], 0)
+    assert a_out.tobytes() == a.tobytes() and b_out.tobytes() == b.tobytes() and c_out.tobytes() == c.tobytes()
+    assert d_out.tolist() == ((d[0::2].astype(np.uint64) + d[1::2]) % (1 << 32)).tolist()
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_shim_atomic_cas_keeps_every_racing_update():
+    """32 threads a warp, 16 a word, each setting its bit with a compare-and-swap loop on a word whose other bits
+    hold a pattern: every bit set, the pattern kept (division.cu writes chunks shared by two planes this way)."""
+    module = EmulatedModule(Path(__file__).parent / "cuda_emulation" / "selftest.cu")
+    n = 2 * 128 - 16  # the second block's last 16 threads have no word
+    words = np.full(n // 16, 0xAAAAAAAA, np.uint32)  # odd bits set: the threads own the even ones
+    module.launch("masked_swaps", (2, 1, 1), (128, 1, 1), [np.uint64(words.ctypes.data), np.int64(n)], 0)
+    assert words.tolist() == [0xFFFFFFFF] * (n // 16)
 
 
 @pytest.mark.toolchain

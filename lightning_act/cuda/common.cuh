@@ -35,11 +35,18 @@ __device__ __forceinline__ unsigned int mix32(unsigned int x) {
     return x;
 }
 
-// rng.uniform24: mix32(lo32(i) ^ mix32(base ^ hi32(i))) >> 8, times 2**-24 (exact)
-__device__ __forceinline__ float uniform24(unsigned int base, long long index) {
-    const unsigned long long i = (unsigned long long)index;
-    const unsigned int h = mix32((unsigned int)i ^ mix32(base ^ (unsigned int)(i >> 32)));
+// rng.uniform24: mix32(lo32(i) ^ mix32(base ^ hi32(i))) >> 8, times 2**-24 (exact). The inner hash depends on
+// hi32(i) only, the same for every element of an aligned chunk: kernels hash it once per chunk (uniform24_key)
+// and then pay one mix32 per element (uniform24_keyed).
+__device__ __forceinline__ unsigned int uniform24_key(unsigned int base, long long index) {
+    return mix32(base ^ (unsigned int)((unsigned long long)index >> 32));
+}
+__device__ __forceinline__ float uniform24_keyed(unsigned int key, long long index) {
+    const unsigned int h = mix32((unsigned int)(unsigned long long)index ^ key);
     return __fmul_rn((float)(h >> 8), TWO_POW_MINUS_24);
+}
+__device__ __forceinline__ float uniform24(unsigned int base, long long index) {
+    return uniform24_keyed(uniform24_key(base, index), index);
 }
 
 // ---- 16-bit floats as raw bits, converted exactly like torch on CPU (NaN aside: canonical) ----
@@ -142,4 +149,97 @@ __device__ __forceinline__ unsigned int quantize_one(float x, float mn, float in
     const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(x, mn), inv), u));
     if (t >= (float)levels) return (unsigned int)levels;
     return t > 0.0f ? (unsigned int)t : 0u;
+}
+
+// ---- chunks of 8 consecutive elements: 16-byte vector loads and stores ----
+// Chunks start at a multiple of 8 in the flat tensor (so hi32 of their indices is one, see uniform24_key). A
+// chunk moves as 16-byte vectors (float32: 2, 16-bit: 1, float64: 4) when the address of its first element is
+// 16-byte aligned and the chunk lies wholly inside the tensor (the caller decides: `vector`); otherwise one
+// element at a time (views at odd offsets, the tensor's last chunk).
+#define CHUNK 8
+
+__device__ __forceinline__ bool aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0; }
+
+template <int DTYPE>
+__device__ __forceinline__ float bits16_to_float(unsigned int h) {
+    return DTYPE == DTYPE_FLOAT16 ? half_to_float((unsigned short)h) : bf16_to_float((unsigned short)h);
+}
+
+// elements e0 .. e0 + 7 as float32 (float64 rounded to nearest even); vector: the 16-byte path (element e0's
+// address aligned, chunk whole), else the first `count` elements one by one and 0 for the rest
+template <int DTYPE>
+__device__ __forceinline__ void load_chunk(const void* __restrict__ x, long long e0, bool vector, int count,
+                                           float v[CHUNK]) {
+    if (vector) {
+        if (DTYPE == DTYPE_FLOAT32) {
+            const float4* p = (const float4*)((const float*)x + e0);
+            const float4 a = p[0], b = p[1];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+            v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        } else if (DTYPE == DTYPE_FLOAT64) {
+            const double2* p = (const double2*)((const double*)x + e0);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const double2 d = p[k];
+                v[2 * k] = __double2float_rn(d.x);
+                v[2 * k + 1] = __double2float_rn(d.y);
+            }
+        } else {  // 16-bit: element e0 + 2k is the low half of word k (little-endian)
+            const uint4 r = *(const uint4*)((const unsigned short*)x + e0);
+            const unsigned int w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                v[2 * k] = bits16_to_float<DTYPE>(w[k] & 0xffffu);
+                v[2 * k + 1] = bits16_to_float<DTYPE>(w[k] >> 16);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) v[j] = j < count ? load_float(x, e0 + j, DTYPE) : 0.0f;
+    }
+}
+
+// float32 results rounded into DTYPE (float64: exact), NaN canonical, as store_float; vector: as load_chunk,
+// else only the first `count` elements are written
+template <int DTYPE>
+__device__ __forceinline__ void store_chunk(void* __restrict__ out, long long e0, bool vector, int count,
+                                            const float v[CHUNK]) {
+    if (vector) {
+        if (DTYPE == DTYPE_FLOAT32) {
+            unsigned int u[CHUNK];
+#pragma unroll
+            for (int j = 0; j < CHUNK; ++j) u[j] = v[j] != v[j] ? CANONICAL_NAN_F32 : __float_as_uint(v[j]);
+            uint4* p = (uint4*)((float*)out + e0);
+            uint4 a, b;
+            a.x = u[0]; a.y = u[1]; a.z = u[2]; a.w = u[3];
+            b.x = u[4]; b.y = u[5]; b.z = u[6]; b.w = u[7];
+            p[0] = a;
+            p[1] = b;
+        } else if (DTYPE == DTYPE_FLOAT64) {
+            double2* p = (double2*)((double*)out + e0);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                double2 d;
+                d.x = v[2 * k] != v[2 * k] ? __longlong_as_double(CANONICAL_NAN_F64) : (double)v[2 * k];
+                d.y = v[2 * k + 1] != v[2 * k + 1] ? __longlong_as_double(CANONICAL_NAN_F64) : (double)v[2 * k + 1];
+                p[k] = d;
+            }
+        } else {
+            unsigned int w[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const unsigned int a = DTYPE == DTYPE_FLOAT16 ? float_to_half(v[2 * k]) : float_to_bf16(v[2 * k]);
+                const unsigned int b = DTYPE == DTYPE_FLOAT16 ? float_to_half(v[2 * k + 1])
+                                                              : float_to_bf16(v[2 * k + 1]);
+                w[k] = a | (b << 16);
+            }
+            uint4 r;
+            r.x = w[0]; r.y = w[1]; r.z = w[2]; r.w = w[3];
+            *(uint4*)((unsigned short*)out + e0) = r;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j)
+            if (j < count) store_float(out, e0 + j, DTYPE, v[j]);
+    }
 }

@@ -1,11 +1,13 @@
 """Launchers of ``division.cu``: the same signatures and bits as ``division_encode_reference`` /
 ``division_decode_reference``.
 
-Encode is three launches on the current stream (block means, per-plane statistics, packed codes), decode one.
-Per-element and per-cell kernels take one thread each; statistics take one block of 256 threads per plane.
+Encode and decode are one launch each on the current stream: one block per plane (a thread per 8 elements, up to
+``THREADS``), the grid sized to the SM count, grid-stride over planes. Encode stages a plane of up to
+``STAGE_MAX`` elements in shared memory, so DRAM sees it once.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -20,10 +22,20 @@ from .launcher import (DTYPE_CODES, KernelRunner, check_dtype, check_runner_devi
 
 SOURCE = "division.cu"
 THREADS = 256
+STAGE_MAX = 12288  # division.cu DIVISION_STAGE_MAX: float32 planes within 48 KiB of shared memory
+RESIDENT_THREADS_PER_SM = 1024  # the grid is at most one wave of resident blocks
 
 
-def _grid(units: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    return (min(-(-units // THREADS), launcher.MAX_BLOCKS), 1, 1), (THREADS, 1, 1)
+def _launch_config(planes: int, plane: int, multiprocessors: int):
+    """(grid, block): a block per plane, a thread per 8 of its elements (32 to ``THREADS``)."""
+    return _config(planes, plane, multiprocessors, launcher.MAX_BLOCKS)
+
+
+@functools.lru_cache(maxsize=4096)  # shapes repeat every step: a hit costs less than the arithmetic
+def _config(planes: int, plane: int, multiprocessors: int, max_blocks: int):
+    threads = min(THREADS, max(32, -(-plane // 256) * 32))
+    blocks = min(planes, max_blocks, multiprocessors * max(1, RESIDENT_THREADS_PER_SM // threads))
+    return (blocks, 1, 1), (threads, 1, 1)
 
 
 def _layout_args(spatial: tuple[int, ...], block: int) -> tuple[np.int32, ...]:
@@ -32,6 +44,8 @@ def _layout_args(spatial: tuple[int, ...], block: int) -> tuple[np.int32, ...]:
         raise ValueError(f"spatial={spatial}; expected 1 to {MAX_SPATIAL_DIMS} sizes >= 1")
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block={block!r}; expected an int >= 1")
+    if math.prod(spatial) >= 1 << 31:
+        raise ValueError(f"spatial={spatial}; the CUDA kernels take planes of fewer than 2**31 elements")
     pad = MAX_SPATIAL_DIMS - len(spatial)
     sizes = (1,) * pad + tuple(spatial)
     blocks = (1,) * pad + (block,) * len(spatial)
@@ -76,17 +90,13 @@ def division_encode_cuda(x: torch.Tensor, block: int, bits: int, seed: int, key:
                                         (planes, torch.bfloat16))
     lfc = lfc.view(planes, *blocks)
     if numel:
-        dtype = np.int32(DTYPE_CODES[x.dtype])
-        grid, threads = _grid(lfc.numel())
-        runner.launch(SOURCE, "division_lfc", grid, threads,
-                      (pointer(x), dtype, np.int64(planes), *layout, pointer(lfc)), 0, x.device)
-        runner.launch(SOURCE, "division_stats", (min(planes, launcher.MAX_BLOCKS), 1, 1), (THREADS, 1, 1),
-                      (pointer(x), dtype, pointer(lfc), np.int64(planes), *layout, np.int32(bits), pointer(mn),
-                       pointer(step)), 0, x.device)
-        grid, threads = _grid(payload.numel())
+        plane = numel // planes
+        grid, threads = _launch_config(planes, plane, launcher.multiprocessors(runner, x.device))
+        stage = plane <= STAGE_MAX
         runner.launch(SOURCE, "division_encode", grid, threads,
-                      (pointer(x), dtype, pointer(lfc), pointer(mn), pointer(step), np.int64(numel), *layout,
-                       np.int32(bits), np.uint32(rng.stream_base(seed, key)), pointer(payload)), 0, x.device)
+                      (pointer(x), np.int32(DTYPE_CODES[x.dtype]), np.int64(planes), *layout, np.int32(bits),
+                       np.uint32(rng.stream_base(seed, key)), np.int32(stage), pointer(lfc), pointer(payload),
+                       pointer(mn), pointer(step)), 4 * plane if stage else 0, x.device)
     return lfc, payload, mn, step
 
 
@@ -106,8 +116,8 @@ def division_decode_cuda(lfc, payload, mn, step, planes: int, spatial: tuple[int
         check_dtype("dtype", dtype)
     out = torch.empty(planes, *spatial, dtype=dtype, device=device)
     if out.numel():
-        grid, threads = _grid(out.numel())
+        grid, threads = _launch_config(planes, out.numel() // planes, launcher.multiprocessors(runner, device))
         runner.launch(SOURCE, "division_decode", grid, threads,
-                      (pointer(payload), pointer(lfc), pointer(mn), pointer(step), np.int64(out.numel()), *layout,
+                      (pointer(payload), pointer(lfc), pointer(mn), pointer(step), np.int64(planes), *layout,
                        np.int32(bits), pointer(out), np.int32(DTYPE_CODES[dtype])), 0, device)
     return out

@@ -70,6 +70,7 @@ class CupyRunner:
         self._modules = {}  # (source, device index) -> RawModule
         self._functions = {}  # (source, kernel, device index) -> Function
         self._streams = {}  # (device index, raw cudaStream_t) -> cupy ExternalStream
+        self._multiprocessors = {}  # device index -> SM count, read once
 
     def _function(self, source: str, kernel: str, device_index: int):
         function_key = (source, kernel, device_index)
@@ -87,6 +88,14 @@ class CupyRunner:
         if stream is None:
             stream = self._streams[(device_index, raw)] = self._cupy.cuda.ExternalStream(raw, device_index)
         return stream
+
+    def multiprocessors(self, device: torch.device) -> int:
+        count = self._multiprocessors.get(device.index)
+        if count is None:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            count = self._cupy.cuda.Device(index).attributes["MultiProcessorCount"]
+            self._multiprocessors[device.index] = count
+        return count
 
     def launch(self, source, kernel, grid, block, args, shared_mem, device):
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -180,6 +189,16 @@ def check_runner_device(runner: KernelRunner, device: torch.device) -> None:
     if device.type != runner.device_type:
         raise ValueError(f"tensors must be on a {runner.device_type} device for {type(runner).__name__}; "
                          f"got {device}")
+
+
+# Grids are sized to the GPU: a runner with a ``multiprocessors(device)`` method reports its SM count (CupyRunner:
+# read once per device); others (the emulator, no-op runners) get this one, an H100's.
+DEFAULT_MULTIPROCESSORS = 132
+
+
+def multiprocessors(runner: KernelRunner, device: torch.device) -> int:
+    count = getattr(runner, "multiprocessors", None)
+    return DEFAULT_MULTIPROCESSORS if count is None else count(device)
 
 
 def warps_grid(units: int, warps_per_block: int, max_blocks: int) -> tuple[Dim3, Dim3]:

@@ -1,9 +1,12 @@
 """Launchers of ``quantize.cu``: the same signatures and bits as ``quantize_reference`` / ``dequantize_reference``.
 
-Both kernels give each group one warp. Encode stages the group in dynamic shared memory (read once, converted
-to float32), so a block holds at most ``SHARED_BYTES_PER_BLOCK`` of groups, which caps ``group_size``.
+Both kernels give each group a team of threads, one 8-element chunk per thread (held in registers), so a group
+spans at most a block of ``MAX_THREADS`` threads, which caps ``group_size``; grids are sized to the GPU's SM
+count (``launcher.multiprocessors``) and stride over the groups.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -20,14 +23,17 @@ from .launcher import (
     default_runner,
     one_buffer,
     pointer,
-    warps_grid,
 )
 
 SOURCE = "quantize.cu"
 STATS_DTYPES = (torch.float32, torch.bfloat16)
-MAX_WARPS_PER_BLOCK = 8
-SHARED_BYTES_PER_BLOCK = 32 * 1024  # below the 48 KiB a kernel gets without opting in
-MAX_GROUP_SIZE = SHARED_BYTES_PER_BLOCK // 4
+CHUNK = 8  # elements per thread per group (quantize.cu)
+SLOTS = 2  # groups per team per iteration (quantize.cu)
+BLOCK_WARPS = 8  # warps per block, unless one group needs more
+MAX_THREADS = 1024
+# the grid is at most one wave of resident blocks: sm_80 / sm_90 have 64K registers an SM, the kernels 64 a thread
+RESIDENT_THREADS_PER_SM = 1024
+MAX_GROUP_SIZE = MAX_THREADS * CHUNK
 
 
 def supports(bits: int, group_size: int) -> bool:
@@ -53,14 +59,27 @@ def _check_packed(payload, mn, step, numel: int, bits: int, group_size: int, dev
     check_tensor("step", step, device=device, dtypes=(mn.dtype,), numel=groups)
 
 
-def _launch_config(numel: int, group_size: int, staged: bool):
-    """(grid, block, shared bytes): one warp per group, as many warps per block as the stage allows."""
+def _launch_config(numel: int, group_size: int, multiprocessors: int = launcher.DEFAULT_MULTIPROCESSORS):
+    """(grid, block, shared bytes) of both kernels. A group's team is ``group_size // 8`` threads: a warp holds
+    ``32 // chunks`` teams when that divides, else a team is whole warps; a block has up to ``BLOCK_WARPS`` warps
+    (never more than its groups need) and handles ``SLOTS`` groups per team per iteration; the grid is at most one
+    wave at full occupancy, grid-stride beyond."""
+    return _config(numel, group_size, multiprocessors, launcher.MAX_BLOCKS)
+
+
+@functools.lru_cache(maxsize=4096)  # shapes repeat every step: a hit costs less than the arithmetic
+def _config(numel: int, group_size: int, multiprocessors: int, max_blocks: int):
     groups = -(-numel // group_size)
-    warps = min(MAX_WARPS_PER_BLOCK, groups)
-    if staged:
-        warps = max(1, min(warps, SHARED_BYTES_PER_BLOCK // (4 * group_size)))
-    grid, block = warps_grid(groups, warps, launcher.MAX_BLOCKS)
-    return grid, block, (4 * group_size * warps if staged else 0)
+    chunks = group_size // CHUNK
+    if 32 % chunks == 0:
+        unit_warps, unit_groups = 1, 32 // chunks
+    else:
+        unit_warps, unit_groups = -(-chunks // 32), 1
+    units = max(1, min(BLOCK_WARPS // unit_warps, -(-groups // (unit_groups * SLOTS))))
+    threads = 32 * unit_warps * units
+    resident = multiprocessors * max(1, RESIDENT_THREADS_PER_SM // threads)
+    blocks = min(-(-groups // (unit_groups * units * SLOTS)), resident, max_blocks)
+    return (blocks, 1, 1), (threads, 1, 1), 0
 
 
 def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int, *,
@@ -85,7 +104,7 @@ def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
         _check_out(out, numel, bits, group_size, stats_dtype, x.device)
     payload, mn, step = out
     if numel:
-        grid, block, shared = _launch_config(numel, group_size, staged=True)
+        grid, block, shared = _launch_config(numel, group_size, launcher.multiprocessors(runner, x.device))
         args = (pointer(x), np.int32(DTYPE_CODES[x.dtype]), np.int64(numel), np.int32(bits), np.int32(group_size),
                 np.uint32(rng.stream_base(seed, key)), pointer(payload), pointer(mn), pointer(step),
                 np.int32(DTYPE_CODES[stats_dtype]))
@@ -119,7 +138,7 @@ def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor,
     if checked:
         check_tensor("out", out, device=device, dtypes=(dtype,), numel=numel)
     if numel:
-        grid, block, shared = _launch_config(numel, group_size, staged=False)
+        grid, block, shared = _launch_config(numel, group_size, launcher.multiprocessors(runner, device))
         args = (pointer(payload), pointer(mn), pointer(step), np.int32(DTYPE_CODES[mn.dtype]), np.int64(numel),
                 np.int32(bits), np.int32(group_size), pointer(out), np.int32(DTYPE_CODES[dtype]))
         runner.launch(SOURCE, "quantize_decode", grid, block, args, shared, device)

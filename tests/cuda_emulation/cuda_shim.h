@@ -29,6 +29,20 @@ struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
 
+// CUDA's builtin vector types the kernels load and store (16-byte ones aligned like on a GPU)
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+struct alignas(16) double2 {
+    double x, y;
+};
+
 namespace cuda_emu {
 inline thread_local dim3 thread_idx, block_idx;
 inline dim3 block_dim, grid_dim;
@@ -130,6 +144,8 @@ void launch_packed(void (*kernel)(Params...), const unsigned* grid, const unsign
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __shared__ static
 #define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(cuda_emu::dynamic_smem)
@@ -166,6 +182,11 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
 template <class T>
 T atomicAdd(T* address, T v) {
     return std::atomic_ref<T>(*address).fetch_add(v);
+}
+template <class T>
+T atomicCAS(T* address, T compare, T value) {
+    std::atomic_ref<T>(*address).compare_exchange_strong(compare, value);
+    return compare;  // the old value, whether or not it was swapped
 }
 template <class T>
 T atomicMax(T* address, T v) {

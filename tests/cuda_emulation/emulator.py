@@ -28,10 +28,12 @@ requires_gxx = pytest.mark.skipif(GXX is None, reason="needs g++ for the CUDA em
 requires_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit) to compile kernels for sm_80/sm_90")
 
 SHIM = Path(__file__).with_name("cuda_shim.h")
-# -ffp-contract=off: the kernels' __f*_rn operations map to plain + - * / and must not be fused
-GXX_FLAGS = ("-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", "-ffp-contract=off")
+# -ffp-contract=off: the kernels' __f*_rn operations map to plain + - * / and must not be fused;
+# -fno-strict-aliasing: kernels read and write tensors through vector types (float4, uint4), as CUDA code does
+GXX_FLAGS = ("-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing")
 CACHE_DIR = Path(tempfile.gettempdir()) / "lightning_act_cuda_emulation"
-KERNEL_PATTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+# extern "C" __global__ void [__launch_bounds__(...)] name(
+KERNEL_PATTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
 MAX_PARAMS = 64
 # the launcher packs pointers as uint64 data pointers
 NUMPY_KIND = {"p": "u", "i": "i", "u": "u", "f": "f"}
