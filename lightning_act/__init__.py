@@ -9,11 +9,11 @@ from . import adapt, callbacks, codecs, metrics, model_prep, nn  # model_prep re
 from .config import LEVELS, ACTConfig, resolve_config
 from .engine import ActivationCompressor
 from .stats import CompressionStats, TensorRecord
-from .strategies import ACTDDPStrategy, ACTStrategy
+from .strategies import ACTDDPStrategy, ACTFSDPStrategy, ACTStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ACTConfig", "ACTDDPStrategy", "ACTStrategy", "ActivationCompressor", "CompressionStats", "LEVELS",
-    "TensorRecord", "adapt", "callbacks", "codecs", "metrics", "nn", "resolve_config",
+    "ACTConfig", "ACTDDPStrategy", "ACTFSDPStrategy", "ACTStrategy", "ActivationCompressor", "CompressionStats",
+    "LEVELS", "TensorRecord", "adapt", "callbacks", "codecs", "metrics", "nn", "resolve_config",
 ]

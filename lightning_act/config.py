@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codecs
-from ._validate import check_choice, check_int, check_positive_float
+from ._validate import check_choice, check_int, check_positive_float, parse_bytes
 from .codecs.backend import BACKENDS
 from .codecs.quantize import ALLOWED_BITS
 from .formats.quantize import STATS_DTYPES
@@ -54,7 +54,8 @@ class ACTConfig:
     ``blpa_bits``, ``swap``, ``checkpointing``, ``efficient_attention``. The codec: ``codec`` and its options,
     given by the fields its class lists in ``config_fields`` (``bits``, ``group_size``, ``stats_dtype``, ``seed``,
     ``backend``, ``error_bound``) and any other constructor argument in ``codec_options``. Auto-precision:
-    ``adaptive``, ``adapt_interval``, ``bit_budget``, ``adapt_fraction``, ``alert_ratio``.
+    ``adaptive``, ``adapt_interval``, ``bit_budget``, ``adapt_fraction``, ``alert_ratio``. The memory-budget
+    mode: ``memory_budget``.
 
     Args:
         opt_level: GACT optimisation level, one of ``LEVELS`` (see the module table). Unset fields take the
@@ -63,7 +64,8 @@ class ACTConfig:
         bits: bits per element for ``quantize`` (1, 2, 4, 8, 16, 32); ``None`` = the level's. With ``adaptive``,
             the average (the default ``bit_budget``) and the bits of tensors not yet estimated.
         adaptive: GACT auto-precision (per-tensor bits from estimated sensitivities) for ``quantize``; ``None`` =
-            on for the compressing levels when the codec is ``quantize``, off otherwise.
+            on for the compressing levels when the codec is ``quantize`` and no ``memory_budget`` is set, off
+            otherwise.
         group_size: elements per quantization group (multiple of 32).
         stats_dtype: dtype of per-group statistics, ``"float32"`` or ``"bfloat16"``.
         min_numel: tensors with fewer elements are kept as they are (compressing them costs more than it saves).
@@ -87,6 +89,10 @@ class ACTConfig:
             in (0, 1].
         alert_ratio: auto-precision warns when the estimated compression variance exceeds this multiple of
             the gradient's sampling variance (raise ``bit_budget`` then).
+        memory_budget: peak memory of a training step, in bytes or as a size such as ``"6GiB"``; the
+            memory-budget planner (:mod:`lightning_act.adapt.memory_budget`) then chooses per block among keeping,
+            quantizing at 8/4/2 bits, checkpointing and swapping to meet it at the least estimated time cost,
+            on the first training batch. Stored as bytes. ``None`` (default): no budget.
     """
 
     opt_level: str = "L1"
@@ -109,6 +115,7 @@ class ACTConfig:
     bit_budget: float | None = None
     adapt_fraction: float = 1.0
     alert_ratio: float = 1.0
+    memory_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         check_choice("opt_level", self.opt_level, LEVELS)
@@ -117,8 +124,13 @@ class ACTConfig:
                 object.__setattr__(self, name, value)
         check_choice("codec", self.codec, codecs.available())
         check_choice("bits", self.bits, ALLOWED_BITS)
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))
+            if self.opt_level == "L0":
+                raise ValueError(f"memory_budget={self.memory_budget} plans compression; got opt_level='L0' (no "
+                                 "compression): choose opt_level='L1'")
         if self.adaptive is None:
-            object.__setattr__(self, "adaptive", self.codec == "quantize")
+            object.__setattr__(self, "adaptive", self.codec == "quantize" and self.memory_budget is None)
         check_choice("adaptive", self.adaptive, (True, False))
         if self.adaptive and self.codec != "quantize":
             raise ValueError(f"adaptive=True allocates bits of the 'quantize' codec; got codec={self.codec!r} "

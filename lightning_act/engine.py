@@ -72,6 +72,11 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
     return False
 
 
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2's sharded parameters), else ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
 # The storage every version alias points at: an alias keeps a saved tensor's version counter, not its memory.
 _NO_STORAGE = torch.empty(0)
 
@@ -133,6 +138,8 @@ class _Step:
                  phase: str = "forward"):
         self.number = number
         self.noise_base = rng.mix32(number)  # noise key of saved tensor i: noise_base ^ i (default policy)
+        # data pointers of storages saved tensors are parameters of; integrations add the weights they
+        # materialise during the forward (lightning_act.integrations.fsdp: FSDP's all-gathered parameters)
         self.param_storages = param_storages
         self.records: list[TensorRecord] = [] if records is None else records
         self.phase = phase
@@ -387,7 +394,8 @@ class ActivationCompressor:
         if self.model is None:
             return set()
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        return {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
+        return {t.untyped_storage().data_ptr() for t in map(_local_tensor, tensors)
+                if t.layout == torch.strided and torch._C._has_storage(t)}
 
     def codec_for(self, index: int, t: torch.Tensor) -> Codec:
         """The codec for float or bool saved tensor number ``index`` of the step: the lossless codec registered
@@ -442,6 +450,9 @@ class ActivationCompressor:
             return self._keep(step, index, t, "sparse", nbytes, watch=False)
         kind = type(t)
         if (kind is not torch.Tensor and kind is not nn.Parameter) or t.is_meta:
+            if _derives_from_leaf(t):  # a DTensor parameter (FSDP2 with tensor parallelism) or a view of one
+                self._record(step, index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
+                return _kept(t, watch=False)
             return self._keep(step, index, t, f"{kind.__name__} on {t.device.type}", 0, watch=False)
         storage = t.untyped_storage()
         if kind is nn.Parameter or storage.data_ptr() in step.param_storages or _derives_from_leaf(t):

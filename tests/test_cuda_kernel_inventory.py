@@ -30,7 +30,8 @@ def _division(runner, dtype):
 
 
 def _lorenzo_with_escapes(runner, dtype):
-    """Smooth runs (Lorenzo blocks), noise (raw codes) and NaN/Inf, which escape: every lorenzo kernel runs."""
+    """Smooth runs (Lorenzo blocks), noise (raw codes) and NaN/Inf, which escape (verbatim blocks): every lorenzo
+    kernel runs."""
     x = torch.cat([lorenzo_data("mixed", 700).to(dtype), nan_payload_groups(dtype, 32)])
     check_lorenzo(runner, x, 1e-2)
 
@@ -40,7 +41,7 @@ KERNEL_INPUTS = {
     "division.cu": {"division_lfc": _division, "division_stats": _division, "division_encode": _division,
                     "division_decode": _division},
     "lorenzo.cu": {"lorenzo_header": _lorenzo_with_escapes, "lorenzo_payload": _lorenzo_with_escapes,
-                   "lorenzo_decode": _lorenzo_with_escapes, "lorenzo_scatter": _lorenzo_with_escapes},
+                   "lorenzo_sizes": _lorenzo_with_escapes, "lorenzo_decode": _lorenzo_with_escapes},
 }
 SOURCE_DTYPES = {"quantize.cu": DTYPES, "division.cu": DTYPES, "lorenzo.cu": KERNEL_DTYPES}
 

@@ -1,8 +1,8 @@
 """The CUDA lorenzo kernels, run on CPU threads by the emulation harness, against the torch specification.
 
-Bit for bit: headers, payload bytes, escape indices and values, decoded tensors, NaN encodings included. Every
-block mode (raw, Lorenzo, sparse, all-zero), every dtype the kernels take (float64 runs the torch path),
-escapes of every kind."""
+Bit for bit: headers, payload bytes and sizes, decoded tensors, NaN encodings included. Every block mode (raw,
+Lorenzo, sparse, verbatim, all-zero), every dtype the kernels take (float64 runs the torch path), escapes of
+every kind. The payload's reservation and its lazy trim (no host read of a device value) are tested here too."""
 import pytest
 import torch
 
@@ -16,8 +16,8 @@ from lightning_act.formats.lorenzo import (
     MODE_LORENZO,
     MODE_RAW,
     MODE_SPARSE,
+    MODE_VERBATIM,
     block_sizes,
-    lorenzo_decode_reference,
     lorenzo_encode_reference,
     working_bound,
 )
@@ -41,8 +41,20 @@ def test_random_tensors_bit_identical(runner, error_bound, dtype, kind, n):
 @pytest.mark.toolchain
 @requires_gxx
 def test_every_mode_appears_and_matches(runner):
-    modes = block_sizes(check_lorenzo(runner, lorenzo_data("mixed", 3000), 1e-3)["header"])[3]
-    assert {MODE_RAW, MODE_LORENZO, MODE_SPARSE} <= set(modes.tolist())
+    x = lorenzo_data("mixed", 3000)
+    x[2000] = float("nan")
+    modes = block_sizes(check_lorenzo(runner, x, 1e-3)["header"], 4)[3]
+    assert {MODE_RAW, MODE_LORENZO, MODE_SPARSE, MODE_VERBATIM} <= set(modes.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.toolchain
+@requires_gxx
+def test_wide_codes_of_16_bit_inputs_are_stored_verbatim(runner, dtype):
+    """Codes of more than 16 bits cost more than a 16-bit block's own values: the block is stored verbatim."""
+    x = (lorenzo_data("noise", 640) * 100).to(dtype)
+    modes = block_sizes(check_lorenzo(runner, x, 1e-5)["header"], 2)[3]
+    assert torch.all(modes == MODE_VERBATIM)
 
 
 def _special(case: str, dtype: torch.dtype, error_bound: float) -> torch.Tensor:
@@ -62,6 +74,8 @@ def _special(case: str, dtype: torch.dtype, error_bound: float) -> torch.Tensor:
         x = ladder * torch.where(torch.rand(700) < 0.5, -1.0, 1.0)
     elif case == "denormal":
         x = x * 1e-39
+    elif case == "constant":  # Lorenzo blocks of a lead value only (no plane): nothing else in the payload
+        x = torch.full((700,), 0.5)
     elif case == "lead_bytes":  # Lorenzo blocks of codes q, q + 1, ... whose lead q needs 1, 2, 3 and 4 bytes
         step = working_bound(error_bound)[1]
         leads = torch.tensor([-3, -1000, 40000, 9_000_000]).repeat_interleave(32) + torch.arange(32).repeat(4)
@@ -69,7 +83,8 @@ def _special(case: str, dtype: torch.dtype, error_bound: float) -> torch.Tensor:
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("case", ["non_finite", "huge", "signed_zeros", "at_the_bound", "denormal", "lead_bytes"])
+@pytest.mark.parametrize("case", ["non_finite", "huge", "signed_zeros", "at_the_bound", "denormal", "constant",
+                                  "lead_bytes"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.toolchain
 @requires_gxx
@@ -81,12 +96,16 @@ def test_special_values_bit_identical(runner, dtype, case):
 @pytest.mark.toolchain
 @requires_gxx
 def test_nan_payloads_come_back_bit_for_bit(runner, dtype):
-    """NaNs of every encoding and +-Inf escape: the kernels store and scatter back their raw bits, as the spec."""
+    """NaNs of every encoding and +-Inf escape: the kernels store their blocks verbatim and give the raw bits back,
+    as the spec."""
     x = nan_payload_groups(dtype, 32, tail=7)
     expected = check_lorenzo(runner, x, 1e-2)
     decoded = lorenzo_decode_cuda(expected, x.numel(), 1e-2, dtype, runner=runner)
     bad = ~x.isfinite()
     assert torch.equal(decoded.view(INT_VIEW[dtype])[bad], x.view(INT_VIEW[dtype])[bad])
+    holds_escape = torch.cat([bad, bad.new_zeros(-x.numel() % spec.BLOCK)]).view(-1, spec.BLOCK).any(dim=1)
+    modes = block_sizes(expected["header"], x.element_size())[3]
+    assert holds_escape.any() and torch.all(modes[holds_escape] == MODE_VERBATIM)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,7 +120,7 @@ def test_bound_beyond_float32_range_is_capped_alike(runner, dtype):
 @requires_gxx
 def test_lorenzo_blocks_with_lead_values_of_1_to_4_bytes(runner):
     header = check_lorenzo(runner, _special("lead_bytes", torch.float32, 1e-2), 1e-2)["header"]
-    _, _, _, mode, _, lead = block_sizes(header)
+    _, _, _, mode, _, lead = block_sizes(header, 4)
     assert set(lead[mode == MODE_LORENZO].tolist()) == {1, 2, 3, 4}
 
 
@@ -110,42 +129,71 @@ def test_lorenzo_blocks_with_lead_values_of_1_to_4_bytes(runner):
 def test_grid_stride_loops_cover_blocks_beyond_the_grid(runner, monkeypatch):
     monkeypatch.setattr(launcher, "MAX_BLOCKS", 2)
     runner.launches.clear()
-    check_lorenzo(runner, _special("non_finite", torch.float32, 1e-2).repeat(3), 1e-2)  # 66 blocks
+    # 525 blocks: beyond 2 blocks of 8 warps, and of 256 threads (lorenzo_sizes: a thread per block)
+    check_lorenzo(runner, _special("non_finite", torch.float32, 1e-2).repeat(24), 1e-2)
     assert {launch[2] for launch in runner.launches} == {(2, 1, 1)}
-
-
-@pytest.mark.toolchain
-@requires_gxx
-def test_escape_indices_are_64_bit_past_2_31_elements(runner, monkeypatch):
-    """The index dtype switches at 2**31 elements; the kernels write and read whichever the launcher picks."""
-    monkeypatch.setattr(cuda_lorenzo, "index_dtype", lambda numel: torch.int64)
-    x = _special("non_finite", torch.float32, 1e-2)
-    encoded = lorenzo_encode_cuda(x, 1e-2, runner=runner)
-    expected = lorenzo_encode_reference(x, 1e-2)
-    assert encoded["escape_index"].dtype == torch.int64
-    assert torch.equal(encoded["escape_index"], expected["escape_index"].to(torch.int64))
-    encoded["escape_index"] = expected["escape_index"].to(torch.int64)
-    assert_same_bits(lorenzo_decode_cuda(encoded, x.numel(), 1e-2, x.dtype, runner=runner),
-                     lorenzo_decode_reference(expected, x.numel(), 1e-2, x.dtype))
 
 
 @pytest.mark.parametrize("kind", ["smooth", "noise"])
 @pytest.mark.toolchain
 @requires_gxx
 def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, kind):
-    """LorenzoCodec through the kernels == through torch, for a strided input and for the raw fallback (noise
-    at a tiny bound does not compress)."""
+    """LorenzoCodec through the kernels == through torch, for a strided input, compressible or not (noise at a
+    bound below float32's resolution escapes: verbatim blocks); the kernels' payload is the reservation (off
+    CUDA nothing trims it)."""
     x = lorenzo_data(kind, 2 * 600).view(20, 60)[:, ::2]
     bound = 1e-3 if kind == "smooth" else 1e-7
     with use_runner(runner):  # the emulator stands in for the GPU
         kernel_packed = LorenzoCodec(error_bound=bound, backend="cupy").encode(x)
     torch_codec = LorenzoCodec(error_bound=bound, backend="torch")
     torch_packed = torch_codec.encode(x)
+    header, payload = torch_packed.buffers["header"], torch_packed.buffers["payload"]
     assert kernel_packed.buffers.keys() == torch_packed.buffers.keys()
-    assert ("raw" in torch_packed.buffers) == (kind == "noise")
-    for name, buffer in torch_packed.buffers.items():
-        assert_same_bits(kernel_packed.buffers[name], buffer)
+    assert_same_bits(kernel_packed.buffers["header"], header)
+    assert_same_bits(kernel_packed.buffers["payload"][:payload.numel()], payload)
+    assert kernel_packed.nbytes == 2 * header.numel() + 4 * 608
+    modes = block_sizes(header, 4)[3]
+    assert bool(torch.any(modes == MODE_VERBATIM)) == (kind == "noise")  # float32 steps wider than 2 * eb escape
     assert_same_bits(torch_codec.decode(kernel_packed), torch_codec.decode(torch_packed))
+
+
+class _Event:
+    """Stands in for the CUDA event of an encode: complete once the test says so."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_payloads_are_trimmed_in_order_once_their_encode_completed(runner):
+    """PayloadTrims cuts each payload to the size its encode left on the device, only after its event completed
+    and the older ones too; a form released before its trim is skipped. Off CUDA the codec queues nothing."""
+    x = lorenzo_data("smooth", 1000)
+    with use_runner(runner):
+        kernels = LorenzoCodec(error_bound=1e-3, backend="cupy")
+        forms = [kernels.encode(x), kernels.encode(x * 2), kernels.encode(x)]
+    assert len(cuda_lorenzo.TRIMS) == 0
+    reference = LorenzoCodec(error_bound=1e-3, backend="torch")
+    expected = [reference.encode(v) for v in (x, x * 2, x)]
+    trims, events = cuda_lorenzo.PayloadTrims(), [_Event() for _ in forms]
+    for packed, event, exact in zip(forms, events, expected):
+        trims.queue(packed, event, torch.tensor([exact.buffers["payload"].numel()]), None)
+    del forms[2]  # released (decoded) before its trim
+    events[1].done = True
+    trims.poll()  # the oldest has not completed: nothing is trimmed
+    assert len(trims) == 3 and [p.nbytes for p in forms] == [2 * 32 + 4 * 1024] * 2
+    events[0].done = events[2].done = True
+    trims.poll()
+    assert len(trims) == 0
+    for packed, exact in zip(forms, expected):
+        assert packed.nbytes == exact.nbytes < 1000
+        assert_same_bits(packed.buffers["payload"], exact.buffers["payload"])
+        with use_runner(runner):
+            assert_same_bits(kernels.decode(packed), reference.decode(exact))
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
@@ -170,24 +218,23 @@ def test_codec_runs_the_kernels_for_their_dtypes_and_torch_for_float64(runner, m
 @pytest.mark.toolchain
 @requires_gxx
 def test_header_pass_matches_the_specification_block_by_block(runner, dtype):
-    """The first encode kernel alone: headers, payload sizes and escape counts per block, against the spec's
+    """The first encode kernel alone: headers and payload sizes per block, against the spec's
     prequantize / encode_blocks / block_sizes (a failure here names the block before the payload is involved)."""
     x = torch.cat([lorenzo_data("mixed", 900), _special("non_finite", torch.float32, 1e-2)]).to(dtype)[:1599]
-    header, sizes, escape_counts = cuda_lorenzo.lorenzo_header_pass(x, 1e-2, runner=runner)
+    header, sizes = cuda_lorenzo.lorenzo_header_pass(x, 1e-2, runner=runner)
+    eb = working_bound(1e-2)[0]
     q, escape = spec.prequantize(x, *working_bound(1e-2))
-    expected_header, _ = spec.encode_blocks(q)
+    expected_header, _ = spec.encode_blocks(q, torch.where(x.float().abs() <= eb, 0, x), escape)
     assert_same_bits(header, expected_header)
-    assert torch.equal(sizes.long(), block_sizes(expected_header)[0])
-    padded = torch.cat([escape, escape.new_zeros(-x.numel() % spec.BLOCK)])
-    assert torch.equal(escape_counts.long(), padded.view(-1, spec.BLOCK).sum(dim=1))
-    assert int(escape_counts.sum()) > 0 and set(block_sizes(header)[3].tolist()) >= {MODE_RAW, MODE_SPARSE}
+    assert torch.equal(sizes.long(), block_sizes(expected_header, x.element_size())[0])
+    assert set(block_sizes(header, x.element_size())[3].tolist()) >= {MODE_RAW, MODE_SPARSE, MODE_VERBATIM}
 
 
 @pytest.mark.toolchain
 @requires_gxx
 def test_chunked_reference_equals_the_unchunked_kernels(runner, monkeypatch):
     """The reference encodes and decodes chunk by chunk (CHUNK_ELEMENTS, a multiple of the block); the kernels
-    run over the whole tensor: escape indices, block offsets and payloads must agree across chunk borders."""
+    run over the whole tensor: block offsets and payloads must agree across chunk borders."""
     monkeypatch.setattr(spec, "CHUNK_ELEMENTS", 2 * spec.BLOCK)
     assert len(spec._split_chunks(700)) == 11
     for x in (_special("non_finite", torch.float16, 1e-2), lorenzo_data("mixed", 700)):
@@ -196,22 +243,25 @@ def test_chunked_reference_equals_the_unchunked_kernels(runner, monkeypatch):
 
 @pytest.mark.toolchain
 @requires_gxx
-def test_header_only_tensors_skip_the_payload_pass(runner):
-    """All codes zero and nothing escaping (zeros and |x| <= eb): no payload, no escapes, one encode kernel."""
+def test_header_only_tensors_have_an_empty_payload(runner):
+    """All codes zero and nothing escaping (zeros and |x| <= eb): a payload of 0 bytes; the kernels still run every
+    pass (the host never learns that the payload is empty)."""
     eb = working_bound(1e-2)[0]
     x = torch.tensor([0.0, -0.0, eb, -eb, eb / 2] * 20, dtype=torch.float32)
     runner.launches.clear()
     encoded = check_lorenzo(runner, x, 1e-2)
-    assert encoded["payload"].numel() == encoded["escape_index"].numel() == 0
-    assert [launch[1] for launch in runner.launches] == ["lorenzo_header", "lorenzo_decode"]
+    assert encoded["payload"].numel() == 0
+    assert [launch[1] for launch in runner.launches] == ["lorenzo_header", "lorenzo_payload", "lorenzo_sizes",
+                                                         "lorenzo_decode"]
 
 
 def test_empty_tensor_launches_nothing():
     runner = EmulatorRunner()
-    encoded = lorenzo_encode_cuda(torch.empty(0, dtype=torch.float16), 1e-2, runner=runner)
+    encoded, payload_bytes = lorenzo_encode_cuda(torch.empty(0, dtype=torch.float16), 1e-2, runner=runner)
     expected = lorenzo_encode_reference(torch.empty(0, dtype=torch.float16), 1e-2)
     assert {k: (v.dtype, v.numel()) for k, v in encoded.items()} == {k: (v.dtype, v.numel())
                                                                      for k, v in expected.items()}
+    assert payload_bytes.tolist() == [0]
     assert lorenzo_decode_cuda(encoded, 0, 1e-2, torch.float16, runner=runner).numel() == 0
     assert runner.launches == []
 
@@ -230,10 +280,12 @@ def _buffers(**changes):
     (lambda r: lorenzo_encode_cuda(torch.randn(8, device="meta"), 1e-2, runner=r),
      r"tensors must be on a cpu device for EmulatorRunner; got meta"),
     (lambda r: lorenzo_decode_cuda(_buffers(), 65, 1e-2, torch.float32, runner=r), r"header must have 3 elements; got 2"),
-    (lambda r: lorenzo_decode_cuda(_buffers(payload=torch.zeros(1, dtype=torch.uint8)), 64, 1e-2, torch.float32,
-                                   runner=r), r"payload must have \d+ elements; got 1"),
-    (lambda r: lorenzo_decode_cuda(_buffers(), 64, 1e-2, torch.float16, runner=r),
-     r"escape_value must have dtype in \(torch.float16\); got torch.float32"),
+    (lambda r: lorenzo_decode_cuda(_buffers(payload=torch.zeros(257, dtype=torch.uint8)), 64, 1e-2,
+                                   torch.float32, runner=r),
+     r"payload must have at most 256 elements for 64 values of torch.float32; got 257"),
+    (lambda r: lorenzo_decode_cuda(_buffers(payload=torch.zeros(8, dtype=torch.int32)), 64, 1e-2,
+                                   torch.float32, runner=r),
+     r"payload must have dtype in \(torch.uint8\); got torch.int32"),
     (lambda r: lorenzo_decode_cuda(_buffers(), 64, 1e-2, torch.int32, runner=r),
      r"dtype=torch.int32; expected one of torch.float32, torch.float16, torch.bfloat16"),
 ])

@@ -15,10 +15,11 @@ from lightning_act.formats.lorenzo import (
     MODE_LORENZO,
     MODE_RAW,
     MODE_SPARSE,
+    MODE_VERBATIM,
     block_sizes,
     decode_blocks,
     encode_blocks,
-    index_dtype,
+    reserved_payload_bytes,
     working_bound,
 )
 from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups
@@ -99,7 +100,8 @@ def test_property_bound_zeros_and_non_finite_hold(case):
     x, error_bound = case
     packed, y = round_trip(x, error_bound)
     assert_guarantees(x, y, error_bound)
-    assert packed.nbytes <= x.numel() * x.element_size()
+    blocks = math.ceil(x.numel() / 32)
+    assert packed.nbytes <= 2 * blocks + reserved_payload_bytes(x.numel(), x.element_size())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -127,17 +129,20 @@ def test_non_contiguous_input(dtype):
     assert_guarantees(x, round_trip(x, 1e-2)[1], 1e-2)
 
 
-def test_stored_size_is_headers_payload_and_escapes():
+def test_stored_size_is_headers_and_payload_and_escapes_make_blocks_verbatim():
     torch.manual_seed(2)
     x = torch.randn(1000)
     x[[5, 500]] = float("nan")
     packed, _ = round_trip(x, 1e-3)
     b = packed.buffers
     blocks = math.ceil(1000 / 32)
+    sizes, _, _, mode, _, _ = block_sizes(b["header"], 4)
+    assert b.keys() == {"header", "payload"}
     assert b["header"].numel() == blocks and b["header"].dtype == torch.int16
-    assert b["payload"].numel() == int(block_sizes(b["header"])[0].sum())
-    assert b["escape_index"].tolist() == [5, 500] and b["escape_index"].dtype == torch.int32
-    assert packed.nbytes == 2 * blocks + b["payload"].numel() + 2 * 4 + 2 * 4
+    assert b["payload"].numel() == int(sizes.sum())
+    assert (mode == MODE_VERBATIM).nonzero().view(-1).tolist() == [0, 15]
+    assert sizes[[0, 15]].tolist() == [128, 128]
+    assert packed.nbytes == 2 * blocks + b["payload"].numel()
 
 
 def test_constant_block_costs_its_header_and_lead_value():
@@ -156,7 +161,7 @@ def test_all_zero_blocks_cost_only_their_header():
 
 
 def _modes(x: torch.Tensor, error_bound: float) -> torch.Tensor:
-    return block_sizes(round_trip(x, error_bound)[0].buffers["header"])[3]
+    return block_sizes(round_trip(x, error_bound)[0].buffers["header"], x.element_size())[3]
 
 
 def test_block_mode_follows_the_data():
@@ -179,29 +184,30 @@ def test_block_mode_follows_the_data():
 def test_block_encoding_round_trips_codes(codes):
     q = torch.tensor(codes, dtype=torch.int32)
     header, payload = encode_blocks(q)
-    assert payload.numel() == int(block_sizes(header)[0].sum())
-    assert torch.equal(decode_blocks(header, payload, q.numel()), q)
+    assert payload.numel() == int(block_sizes(header, 4)[0].sum())
+    assert torch.equal(decode_blocks(header, payload, q.numel(), 4), q)
 
 
 def test_huge_magnitudes_escape_instead_of_overflowing():
-    x = torch.tensor([3e38, -3e38, 1e10, 7.0, float("inf")])
-    packed, y = round_trip(x, 1e-6)
+    x = torch.tensor([0.5] * 64 + [3e38, -3e38, 1e10, 7.0, float("inf")])
+    _, y = round_trip(x, 1e-6)
     assert_guarantees(x, y, 1e-6)
-    assert packed.buffers.get("escape_index", torch.tensor([0, 1, 2, 3, 4])).numel() >= 3
+    assert _modes(x, 1e-6).tolist() == [MODE_LORENZO, MODE_LORENZO, MODE_VERBATIM]
 
 
-def test_incompressible_input_is_stored_raw_but_zero_preserving():
+def test_incompressible_input_is_stored_verbatim_but_zero_preserving():
     torch.manual_seed(5)
-    x = (torch.randn(300) * 100).to(torch.bfloat16)  # 16-bit values, codes of ~26 bits at this bound
+    x = (torch.randn(320) * 100).to(torch.bfloat16)  # 16-bit values, codes of ~26 bits at this bound
     x[::7] = 1e-7
     packed, y = round_trip(x, 1e-6)
-    assert "raw" in packed.buffers and packed.nbytes <= x.numel() * 2
+    assert torch.all(_modes(x, 1e-6) == MODE_VERBATIM)
+    assert packed.nbytes == 2 * 10 + 2 * 320  # headers, and every block's 32 values
     assert_guarantees(x, y, 1e-6)
 
 
-def test_escape_index_is_64_bit_from_2_pow_31_elements():
-    assert index_dtype(2**31 - 1) == torch.int32
-    assert index_dtype(2**31) == torch.int64
+def test_reservation_is_the_input_padded_to_whole_blocks():
+    assert [reserved_payload_bytes(n, 4) for n in (0, 1, 32, 33)] == [0, 128, 128, 256]
+    assert reserved_payload_bytes(1000, 2) == 32 * 2 * 32
 
 
 def test_working_bound_is_the_largest_float32_not_above_the_bound():
@@ -273,17 +279,18 @@ def test_float64_bound_holds_for_x_itself(error_bound):
     eb = working_bound(error_bound)[0]
     beyond = (x.abs() > eb) & (x.float().abs() <= eb)
     assert beyond.sum() >= 6 and (y[beyond] != 0).all()
-    assert all(b.dtype != torch.float32 for b in packed.buffers.values())
+    assert packed.buffers["payload"].numel() == int(block_sizes(packed.buffers["header"], 8)[0].sum())
 
 
-@pytest.mark.parametrize("form, error_bound", [("escape_value", 0.1), ("raw", 1e-12)])
+@pytest.mark.parametrize("error_bound", [0.1, 1e-12])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_payloads_come_back_bit_for_bit(dtype, form, error_bound):
-    """NaN and +-Inf are stored raw, as escapes or in the raw form: every encoding (signalling, negative,
-    payload bits) comes back."""
+def test_nan_payloads_come_back_bit_for_bit(dtype, error_bound):
+    """NaN and +-Inf are stored raw, in verbatim blocks: every encoding (signalling, negative, payload bits)
+    comes back."""
     x = nan_payload_groups(dtype, 32, tail=7)
-    packed, y = round_trip(x, error_bound)
-    assert form in packed.buffers
+    _, y = round_trip(x, error_bound)
+    holds_escape = torch.cat([~x.isfinite(), torch.zeros(-x.numel() % 32, dtype=torch.bool)]).view(-1, 32).any(1)
+    assert holds_escape.any() and torch.all(_modes(x, error_bound)[holds_escape] == MODE_VERBATIM)
     assert_guarantees(x, y, error_bound)
 
 

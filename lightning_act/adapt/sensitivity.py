@@ -174,10 +174,16 @@ def estimate_sensitivities(compressor: ActivationCompressor, forward_backward_fn
                 raise RuntimeError(
                     "the saved-tensor sequence changed between probe passes on one batch; forward_backward_fn must "
                     "run the same computation every call")
-            squared = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(g0, g1))
+            squared = sum(_total((a.double() - b.double()).pow(2).sum()) for a, b in zip(g0, g1))
             sensitivities[position] = squared / (2.0 * variance_factor(min(bits_for(key), PROBE_MAX_BITS)))
         passes = 1 + len(sensitivities)
     return SensitivityRound(layout, sensitivities, passes, time.perf_counter() - started)
+
+
+def _total(scalar: torch.Tensor) -> float:
+    """A scalar tensor's value; for a DTensor (sums over FSDP's sharded gradients) the sum over all shards, so
+    every rank measures the whole gradient (a collective: every rank calls it alike)."""
+    return float(scalar.full_tensor() if hasattr(scalar, "full_tensor") else scalar)
 
 
 class GradientVariance:
@@ -199,7 +205,7 @@ class GradientVariance:
             return
         self.count += 1
         weight = max(1.0 / self.count, self.decay)
-        deviation = sum(float((g - m).double().pow(2).sum()) for g, m in zip(grads, self._mean))
+        deviation = sum(_total((g - m).double().pow(2).sum()) for g, m in zip(grads, self._mean))
         self.value = (1.0 - weight) * (self.value + weight * deviation)
         for m, g in zip(self._mean, grads):
             m.add_(g - m, alpha=weight)

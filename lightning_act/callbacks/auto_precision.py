@@ -6,17 +6,15 @@ so its plain-PyTorch API (``AutoPrecision(compressor).maybe_adapt(step, forward_
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any
 
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from ..adapt import auto_precision
 from ..metrics import adapt_histograms, adapt_metrics
 from .monitor import log_to_loggers
+from .replay import check_replayable, replayed_step
 
 
 class AutoPrecision(auto_precision.AutoPrecision, Callback):
@@ -29,14 +27,7 @@ class AutoPrecision(auto_precision.AutoPrecision, Callback):
     """
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if not hasattr(trainer.strategy, "compressor"):
-            raise ValueError(
-                f"AutoPrecision needs an activation-compressing strategy; got {type(trainer.strategy).__name__}"
-                " (use Trainer(strategy='act') or strategy=lightning_act.ACTStrategy(...))")
-        if not pl_module.automatic_optimization:
-            raise ValueError(
-                "AutoPrecision replays training_step, which steps the optimizer under manual optimization; "
-                "call AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn) from training_step instead")
+        check_replayable(trainer, pl_module, "AutoPrecision")
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         strategy = trainer.strategy
@@ -44,28 +35,10 @@ class AutoPrecision(auto_precision.AutoPrecision, Callback):
             self.attach(strategy.compressor)
         self._broadcast = lambda obj: strategy.broadcast(obj, src=0)
         self.ddp_model = strategy.model if isinstance(strategy.model, DistributedDataParallel) else None
-
-        def forward_backward() -> None:
-            with _logging_muted(pl_module):
-                output = strategy.training_step(batch, batch_idx)
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if not isinstance(loss, torch.Tensor):
-                raise ValueError(f"training_step returned {type(output).__name__}; AutoPrecision needs a loss "
-                                 "tensor or a dict with 'loss'")
-            loss.backward()
-
+        forward_backward = replayed_step(trainer, pl_module, batch, batch_idx, "AutoPrecision")
         if self.maybe_adapt(trainer.global_step, forward_backward):
             log_to_loggers(trainer.loggers, adapt_metrics(self), adapt_histograms(self), trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.observe_gradient()
 
-
-@contextlib.contextmanager
-def _logging_muted(pl_module) -> Iterator[None]:
-    """``self.log`` calls of a replayed ``training_step`` must not reach the logs."""
-    pl_module.log = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        del pl_module.log

@@ -1,13 +1,15 @@
 """The ``lorenzo`` codec: error-bounded Lorenzo coding with zero preservation (Jin et al.; the format and its
-guarantee: :mod:`lightning_act.formats.lorenzo`)."""
+guarantee: :mod:`lightning_act.formats.lorenzo`). On the kernel path no step reads a device value on the host:
+the payload is first the most the tensor can store, and is cut to its size once the GPU has written it
+(:mod:`lightning_act.cuda.lorenzo` says how, and what that costs in memory meanwhile)."""
 from __future__ import annotations
 
 import torch
 
 from .._validate import check_positive_float
-from ..cuda.lorenzo import lorenzo_decode_cuda, lorenzo_encode_cuda, supports
+from ..cuda.lorenzo import TRIMS, lorenzo_decode_cuda, lorenzo_encode_cuda, supports
 from ..formats.floats import FLOAT_DTYPES, check_float_input
-from ..formats.lorenzo import checked_float, lorenzo_decode_reference, lorenzo_encode_reference, working_bound
+from ..formats.lorenzo import lorenzo_decode_reference, lorenzo_encode_reference
 from . import register
 from .backend import check_backend
 from .base import Codec, Packed
@@ -30,22 +32,23 @@ class LorenzoCodec(Codec):
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         check_float_input(self.name, x)
         flat = x.reshape(-1)
-        encode = lorenzo_encode_cuda if self.runs_kernels(flat) else lorenzo_encode_reference
-        buffers = encode(flat.contiguous(), self.error_bound)
-        packed = Packed(self.name, x.shape, x.dtype, x.device, buffers, {"error_bound": self.error_bound})
-        raw_bytes = flat.numel() * flat.element_size()
-        if packed.nbytes > raw_bytes:  # incompressible: the raw values, still zero-preserving
-            raw = torch.where(checked_float(flat).abs() <= working_bound(self.error_bound)[0], 0, flat)
-            packed = Packed(self.name, x.shape, x.dtype, x.device, {"raw": raw},
-                            {"error_bound": self.error_bound})
+        meta = {"error_bound": self.error_bound}
+        if not self.runs_kernels(flat):
+            return Packed(self.name, x.shape, x.dtype, x.device, lorenzo_encode_reference(flat, self.error_bound),
+                          meta)
+        TRIMS.poll()
+        buffers, payload_bytes = lorenzo_encode_cuda(flat.contiguous(), self.error_bound)
+        packed = Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
+        TRIMS.track(packed, payload_bytes)
         return packed
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        if "raw" in packed.buffers:
-            return packed.buffers["raw"].view(packed.shape)
-        decode = lorenzo_decode_cuda if self.runs_kernels(packed.buffers["header"], packed.dtype) \
-            else lorenzo_decode_reference
-        return decode(packed.buffers, packed.numel, packed.meta["error_bound"], packed.dtype).view(packed.shape)
+        if not self.runs_kernels(packed.buffers["header"], packed.dtype):
+            decoded = lorenzo_decode_reference(packed.buffers, packed.numel, packed.meta["error_bound"], packed.dtype)
+            return decoded.view(packed.shape)
+        TRIMS.poll()
+        return lorenzo_decode_cuda(packed.buffers, packed.numel, packed.meta["error_bound"], packed.dtype
+                                   ).view(packed.shape)
 
     def kernels_take(self, dtype: torch.dtype) -> bool:
         return supports(dtype)

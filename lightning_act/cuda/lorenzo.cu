@@ -1,25 +1,27 @@
-// Kernels of the `lorenzo` codec. lightning_act/codecs/lorenzo.py (prequantize, encode_blocks, block_sizes,
-// decode_blocks, lorenzo_encode_reference, lorenzo_decode_reference) is the specification, bit for bit: its
-// module docstring defines the codes, the three block modes, the uint16 headers and the payload layout.
+// Kernels of the `lorenzo` codec. lightning_act/formats/lorenzo.py (prequantize, encode_blocks, block_sizes,
+// decode_blocks, decode_values, lorenzo_encode_reference, lorenzo_decode_reference) is the specification, bit
+// for bit: its module docstring defines the codes, the four block modes, the uint16 headers and the payload.
 //
 // Compiled at run time by NVRTC (CuPy RawModule): no #include, builtin types only, extern "C" names; every
 // float32 operation is an explicit __f*_rn intrinsic (no contracted multiply-add); 64-bit element and byte
 // offsets. The launcher prepends common.cuh (16-bit floats, load/store_float). dtype: float32, float16 or
-// bfloat16 (escapes are copied as 4- or 2-byte words); the codec runs float64 tensors on its torch path.
+// bfloat16 (verbatim blocks copy 4- or 2-byte words); the codec runs float64 tensors on its torch path.
 //
-// One warp per block of 32 codes (lane i = element 32 * block + i), grid-stride over blocks:
-//   lorenzo_header   prequantize, choose the block's mode; write its header, payload size and escape count
-//   (launcher)       exclusive prefix sums of sizes and counts on the stream; the one host read: the totals,
-//                    to allocate the payload and escape buffers at their exact sizes
+// Nothing here is read back by the host: sizes and offsets stay on the device. One warp per block of 32 codes
+// (lane i = element 32 * block + i), grid-stride over blocks:
+//   lorenzo_header   prequantize, choose the block's mode; write its header and payload size
+//   (launcher)       inclusive prefix sum of the sizes on the stream: each block's end offset
 //   lorenzo_payload  prequantize again (x is read twice rather than codes written and read), write the block's
-//                    payload at its offset and its escapes, in index order, at theirs
-//   lorenzo_decode   header + offset -> codes -> float32(q) * step in the output dtype
-//   lorenzo_scatter  one thread per escape: the raw value back at its index
+//                    payload at its offset (end - size) into a buffer of the most the tensor can store
+//   lorenzo_sizes    one thread per block: its payload size from its header (decode has only the headers)
+//   (launcher)       inclusive prefix sum of those sizes
+//   lorenzo_decode   header + offset -> codes -> float32(q) * step in the output dtype, or the verbatim bits
 
 #define LORENZO_TMAX 536870912.0f  // 2**29: |codes| <= 2**29 + 1, deltas below 2**31
 #define MODE_RAW 0
 #define MODE_LORENZO 1
 #define MODE_SPARSE 2
+#define MODE_VERBATIM 3
 
 // _reconstruct: dtype(float32(q) * step), read back as float32
 __device__ __forceinline__ float lorenzo_reconstruct(int q, float step, int dtype) {
@@ -28,8 +30,10 @@ __device__ __forceinline__ float lorenzo_reconstruct(int q, float step, int dtyp
     return dtype == DTYPE_FLOAT16 ? half_to_float(float_to_half(r)) : bf16_to_float(float_to_bf16(r));
 }
 
-// prequantize for one element: its code, and whether it escapes (stored raw)
-__device__ __forceinline__ int lorenzo_code(float x32, int dtype, float eb, float step, float inv, bool* escape) {
+// prequantize for one element: its code, whether it escapes (its block is stored verbatim) and whether
+// |x| <= eb (a verbatim block stores it as +0.0)
+__device__ __forceinline__ int lorenzo_code(float x32, int dtype, float eb, float step, float inv, bool* escape,
+                                            bool* zero) {
     const float t = __fmul_rn(x32, inv);
     const bool inside = fabsf(t) < LORENZO_TMAX;  // false for NaN and Inf
     const int q0 = inside ? (int)rintf(t) : 0;    // ties to even, like torch.round
@@ -37,9 +41,9 @@ __device__ __forceinline__ int lorenzo_code(float x32, int dtype, float eb, floa
     const bool ok0 = fabsf(__fsub_rn(x32, r0)) < eb;
     const int q1 = q0 + (x32 > r0 ? 1 : -1);
     const bool ok1 = fabsf(__fsub_rn(x32, lorenzo_reconstruct(q1, step, dtype))) < eb;
-    const bool zero = fabsf(x32) <= eb;
-    *escape = !zero && !(inside && (ok0 || ok1));
-    return (zero || *escape) ? 0 : (ok0 ? q0 : q1);
+    *zero = fabsf(x32) <= eb;
+    *escape = !*zero && !(inside && (ok0 || ok1));
+    return (*zero || *escape) ? 0 : (ok0 ? q0 : q1);
 }
 
 __device__ __forceinline__ int bit_length(unsigned int m) { return 32 - __clz((int)m); }
@@ -49,10 +53,20 @@ __device__ __forceinline__ int warp_max(int v) {
     return v;
 }
 
+__device__ __forceinline__ int lorenzo_itemsize(int dtype) { return dtype == DTYPE_FLOAT32 ? 4 : 2; }
+
+// block_sizes: payload bytes of a block from its header
+__device__ __forceinline__ int lorenzo_block_size(unsigned int h, int itemsize) {
+    const int w = h & 31, s = (h >> 5) & 1, mode = (h >> 6) & 3, k = (h >> 8) & 63;
+    if (mode == MODE_VERBATIM) return 32 * itemsize;
+    if (mode == MODE_SPARSE) return 4 + (k * (w + s) + 7) / 8;
+    return (mode == MODE_LORENZO ? (int)(h >> 14) + 1 : 0) + 4 * (w + s);
+}
+
 struct LorenzoBlock {
     int code, value;         // this lane's code and the value its mode stores (code, or delta in Lorenzo mode)
     int lead_code;           // lane 0's code: the lead value of Lorenzo mode
-    bool escape;
+    bool escape, zero;       // this lane escapes; |x| <= eb
     int mode, w, s, k, lead;  // lead: bytes of the lead value (Lorenzo mode), else 0
     int size;                 // payload bytes
     unsigned int nonzero;     // lanes with a nonzero code
@@ -64,8 +78,9 @@ __device__ __forceinline__ LorenzoBlock lorenzo_block(const void* x, int dtype, 
     LorenzoBlock b;
     const long long e = first + lane;
     b.escape = false;
+    b.zero = true;
     // lanes past the end hold the zero codes of the spec's padding
-    b.code = e < numel ? lorenzo_code(load_float(x, e, dtype), dtype, eb, step, inv, &b.escape) : 0;
+    b.code = e < numel ? lorenzo_code(load_float(x, e, dtype), dtype, eb, step, inv, &b.escape, &b.zero) : 0;
     const int previous = __shfl_up_sync(FULL_WARP, b.code, 1);
     const int delta = lane == 0 ? 0 : b.code - previous;
     b.nonzero = __ballot_sync(FULL_WARP, b.code != 0);
@@ -81,9 +96,14 @@ __device__ __forceinline__ LorenzoBlock lorenzo_block(const void* x, int dtype, 
     b.size = cost_raw;
     if (cost_delta < b.size) { b.mode = MODE_LORENZO; b.size = cost_delta; }
     if (cost_sparse < b.size) { b.mode = MODE_SPARSE; b.size = cost_sparse; }
-    const bool use_delta = b.mode == MODE_LORENZO;
-    b.w = use_delta ? w_delta : w_raw;
-    b.s = use_delta ? s_delta : s_raw;
+    const int cost_verbatim = 32 * lorenzo_itemsize(dtype);  // a block holding an escape is always verbatim
+    if (__ballot_sync(FULL_WARP, b.escape) != 0 || cost_verbatim < b.size) {
+        b.mode = MODE_VERBATIM;
+        b.size = cost_verbatim;
+    }
+    const bool use_delta = b.mode == MODE_LORENZO, verbatim = b.mode == MODE_VERBATIM;
+    b.w = use_delta ? w_delta : (verbatim ? 0 : w_raw);
+    b.s = use_delta ? s_delta : (verbatim ? 0 : s_raw);
     b.lead = use_delta ? lead : 0;
     b.value = use_delta ? delta : b.code;
     return b;
@@ -97,18 +117,16 @@ __device__ __forceinline__ unsigned int plane_bit(int value, int s, int p) {
 
 extern "C" __global__ void lorenzo_header(const void* __restrict__ x, int dtype, long long numel, float eb,
                                           float step, float inv, unsigned short* __restrict__ header,
-                                          int* __restrict__ sizes, int* __restrict__ escape_counts) {
+                                          int* __restrict__ sizes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const long long blocks = (numel + 31) / 32;
     for (long long block = (long long)blockIdx.x * warps + warp; block < blocks;
          block += (long long)gridDim.x * warps) {
         const LorenzoBlock b = lorenzo_block(x, dtype, numel, block * 32, lane, eb, step, inv);
-        const int escapes = __popc(__ballot_sync(FULL_WARP, b.escape));
         if (lane == 0) {
             header[block] = (unsigned short)(b.w | b.s << 5 | b.mode << 6 | (b.mode == MODE_SPARSE ? b.k : 0) << 8
                                              | (b.mode == MODE_LORENZO ? b.lead - 1 : 0) << 14);
             sizes[block] = b.size;
-            escape_counts[block] = escapes;
         }
     }
 }
@@ -116,10 +134,8 @@ extern "C" __global__ void lorenzo_header(const void* __restrict__ x, int dtype,
 // Block: warps_per_block * 32 threads; static shared memory holds each warp's nonzero codes by rank.
 #define LORENZO_MAX_WARPS 8
 extern "C" __global__ void lorenzo_payload(const void* __restrict__ x, int dtype, long long numel, float eb,
-                                           float step, float inv, const long long* __restrict__ offsets,
-                                           const long long* __restrict__ escape_offsets,
-                                           unsigned char* __restrict__ payload, void* __restrict__ escape_index,
-                                           int index_is_64bit, void* __restrict__ escape_value) {
+                                           float step, float inv, const long long* __restrict__ ends,
+                                           unsigned char* __restrict__ payload) {
     __shared__ int compact[LORENZO_MAX_WARPS][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const long long blocks = (numel + 31) / 32;
@@ -128,9 +144,18 @@ extern "C" __global__ void lorenzo_payload(const void* __restrict__ x, int dtype
          block += (long long)gridDim.x * warps) {
         const long long first = block * 32;
         const LorenzoBlock b = lorenzo_block(x, dtype, numel, first, lane, eb, step, inv);
-        unsigned char* const out = payload + offsets[block];
+        unsigned char* const out = payload + (ends[block] - b.size);
         const int rows = b.w + b.s;
-        if (b.mode == MODE_SPARSE) {
+        if (b.mode == MODE_VERBATIM) {  // the value's bytes, +0.0 for |x| <= eb and for padding lanes
+            const long long e = first + lane;
+            if (dtype == DTYPE_FLOAT32) {
+                const unsigned int bits = b.zero ? 0u : ((const unsigned int*)x)[e];
+                for (int j = 0; j < 4; ++j) out[4 * lane + j] = (unsigned char)(bits >> (8 * j));
+            } else {
+                const unsigned int bits = b.zero ? 0u : ((const unsigned short*)x)[e];
+                for (int j = 0; j < 2; ++j) out[2 * lane + j] = (unsigned char)(bits >> (8 * j));
+            }
+        } else if (b.mode == MODE_SPARSE) {
             if (lane < 4) out[lane] = (unsigned char)(b.nonzero >> (8 * lane));
             if (b.code != 0) compact[warp][__popc(b.nonzero & lower_lanes)] = b.code;
             __syncwarp();
@@ -152,19 +177,19 @@ extern "C" __global__ void lorenzo_payload(const void* __restrict__ x, int dtype
                 if (lane < 4) out[b.lead + 4 * p + lane] = (unsigned char)(word >> (8 * lane));
             }
         }
-        const unsigned int escapes = __ballot_sync(FULL_WARP, b.escape);
-        if (b.escape) {
-            const long long slot = escape_offsets[block] + __popc(escapes & lower_lanes), e = first + lane;
-            if (index_is_64bit) ((long long*)escape_index)[slot] = e;
-            else ((int*)escape_index)[slot] = (int)e;
-            if (dtype == DTYPE_FLOAT32) ((unsigned int*)escape_value)[slot] = ((const unsigned int*)x)[e];
-            else ((unsigned short*)escape_value)[slot] = ((const unsigned short*)x)[e];
-        }
     }
 }
 
+extern "C" __global__ void lorenzo_sizes(const unsigned short* __restrict__ header, long long blocks, int dtype,
+                                         int* __restrict__ sizes) {
+    const int itemsize = lorenzo_itemsize(dtype);
+    for (long long block = (long long)blockIdx.x * blockDim.x + threadIdx.x; block < blocks;
+         block += (long long)gridDim.x * blockDim.x)
+        sizes[block] = lorenzo_block_size(header[block], itemsize);
+}
+
 extern "C" __global__ void lorenzo_decode(const unsigned short* __restrict__ header,
-                                          const long long* __restrict__ offsets,
+                                          const long long* __restrict__ ends,
                                           const unsigned char* __restrict__ payload, long long numel, float step,
                                           void* __restrict__ out, int dtype) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -174,7 +199,17 @@ extern "C" __global__ void lorenzo_decode(const unsigned short* __restrict__ hea
         const unsigned int h = header[block];
         const int w = h & 31, s = (h >> 5) & 1, mode = (h >> 6) & 3, k = (h >> 8) & 63;
         const int lead = mode == MODE_LORENZO ? (int)(h >> 14) + 1 : 0, rows = w + s;
-        const unsigned char* const in = payload + offsets[block];
+        const unsigned char* const in = payload + (ends[block] - lorenzo_block_size(h, lorenzo_itemsize(dtype)));
+        const long long e = block * 32 + lane;
+        if (mode == MODE_VERBATIM) {  // the stored bits, as they are
+            if (e < numel) {
+                if (dtype == DTYPE_FLOAT32)
+                    ((unsigned int*)out)[e] = in[4 * lane] | in[4 * lane + 1] << 8 | in[4 * lane + 2] << 16
+                                              | (unsigned int)in[4 * lane + 3] << 24;
+                else ((unsigned short*)out)[e] = (unsigned short)(in[2 * lane] | in[2 * lane + 1] << 8);
+            }
+            continue;  // the mode is the same in every lane of the warp
+        }
         int value = 0;
         if (mode == MODE_SPARSE) {
             const unsigned int nonzero = in[0] | in[1] << 8 | in[2] << 16 | (unsigned int)in[3] << 24;
@@ -211,18 +246,6 @@ extern "C" __global__ void lorenzo_decode(const unsigned short* __restrict__ hea
             }
             value += lead_value;
         }
-        const long long e = block * 32 + lane;
         if (e < numel) store_float(out, e, dtype, __fmul_rn((float)value, step));
-    }
-}
-
-extern "C" __global__ void lorenzo_scatter(const void* __restrict__ escape_index, int index_is_64bit,
-                                           const void* __restrict__ escape_value, long long escapes, int dtype,
-                                           void* __restrict__ out) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < escapes;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long e = index_is_64bit ? ((const long long*)escape_index)[i] : ((const int*)escape_index)[i];
-        if (dtype == DTYPE_FLOAT32) ((unsigned int*)out)[e] = ((const unsigned int*)escape_value)[i];
-        else ((unsigned short*)out)[e] = ((const unsigned short*)escape_value)[i];
     }
 }

@@ -1,24 +1,42 @@
-"""Launchers of ``lorenzo.cu``: the same buffers and bits as ``lorenzo_encode_reference`` /
-``lorenzo_decode_reference``.
+"""Launchers of ``lorenzo.cu``: the same bytes as ``lorenzo_encode_reference`` / ``lorenzo_decode_reference``,
+and never a device value read on the host (no launch waits for the GPU).
 
-Encode: the header pass, exclusive prefix sums of the block sizes and escape counts (torch, on the same
-stream), one host read of the two totals (the payload and escape buffers are allocated at their exact sizes:
-never assumed smaller than the input), then the payload pass (skipped when the blocks are header-only and
-nothing escapes). Decode: offsets from the headers alone (exclusive prefix sum on the stream; one host read of
-their total, to check the payload's length before any launch), the decode kernel, then the escapes scattered
-back. One warp per block of 32 elements.
+Encode: the header pass (each block's header and payload size), the inclusive prefix sum of the sizes on the
+stream (each block's end offset), then the payload pass, which writes every block at its offset into a payload
+buffer of ``reserved_payload_bytes``: the input's bytes padded to whole blocks, the most any tensor stores (the
+format caps each block at its 32 values verbatim, escapes included). The actual size stays on the device: encode
+returns it beside the buffers, as a 1-element int64 tensor. Decode: each block's size from its header (one small
+kernel), their prefix sum on the stream, the decode kernel. One warp per block of 32 elements.
+
+The trade-off is memory, for a while. The host cannot size the payload without waiting for the GPU, so a tensor
+first holds its raw size (plus 2 bytes of header per 32 elements); :class:`PayloadTrims` gives the rest back
+lazily. On CUDA, encode queues a non-blocking copy of the size into pinned host memory and an event; every later
+lorenzo encode and decode polls the queue (``Event.query()``, never a wait) and replaces the payload of each
+tensor whose event has completed with an exact-size copy, made on the encode's stream. Memory held is the
+compressed size plus the reservations of the tensors the GPU has not encoded yet (or that no call has polled
+since): bounded by how far the host runs ahead of the GPU. ``Packed.nbytes`` is what the buffers hold when it is
+read: the reservation before the trim, the exact size after (the engine, which reads it right after encode,
+records the reservation). Rejected: exact allocation (the host reads the size: a sync per tensor, the previous
+design); a shared device pool sized from earlier steps (a tensor that overflows it has nowhere to go without a
+host read). Off CUDA (the emulator, the no-op runner of the host-cost benchmark) launches finish before they
+return and nothing is trimmed.
 
 The kernels take float32, float16 and bfloat16 (``supports``); the codec runs float64 on the torch path.
 
-The reference chunks its torch temporaries (``CHUNK_ELEMENTS``, a multiple of the block): headers, payload and
-escapes do not depend on the chunking, so the kernels run over the whole tensor at once.
+The reference chunks its torch temporaries (``CHUNK_ELEMENTS``, a multiple of the block): headers and payload do
+not depend on the chunking, so the kernels run over the whole tensor at once.
 """
 from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import weakref
 
 import numpy as np
 import torch
 
-from ..formats.lorenzo import BLOCK, block_sizes, index_dtype, working_bound
+from ..formats.lorenzo import BLOCK, reserved_payload_bytes, working_bound
 from . import launcher
 from .launcher import (
     DTYPE_CODES,
@@ -34,7 +52,7 @@ from .launcher import (
 SOURCE = "lorenzo.cu"
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 WARPS_PER_BLOCK = 8  # LORENZO_MAX_WARPS in lorenzo.cu
-SCATTER_THREADS = 256
+SIZES_THREADS = 256
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -44,12 +62,6 @@ def supports(dtype: torch.dtype) -> bool:
 
 def _grid(blocks: int):
     return warps_grid(blocks, min(WARPS_PER_BLOCK, blocks), launcher.MAX_BLOCKS)
-
-
-def _exclusive_cumsum(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int64 offsets, int64 total) of int32 counts."""
-    inclusive = torch.cumsum(counts, 0, dtype=torch.int64)
-    return inclusive - counts, inclusive[-1]
 
 
 def _bound(error_bound: float) -> tuple[np.float32, np.float32, np.float32]:
@@ -64,82 +76,116 @@ def _check_flat(flat: torch.Tensor, runner: KernelRunner) -> None:
 
 
 def lorenzo_header_pass(flat: torch.Tensor, error_bound: float, *,
-                        runner: KernelRunner | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        runner: KernelRunner | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The encode's first kernel (tests compare it piecewise with the specification): per block of 32
-    elements its header (int16 storage of the uint16), payload bytes and escape count (int32 each)."""
+    elements its header (int16 storage of the uint16) and payload bytes (int32)."""
     runner = runner or default_runner()
     _check_flat(flat, runner)
     blocks, device = -(-flat.numel() // BLOCK), flat.device
     header = torch.empty(blocks, dtype=torch.int16, device=device)
     sizes = torch.empty(blocks, dtype=torch.int32, device=device)
-    escape_counts = torch.empty(blocks, dtype=torch.int32, device=device)
     if blocks:
         grid, block = _grid(blocks)
         runner.launch(SOURCE, "lorenzo_header", grid, block,
                       (pointer(flat), np.int32(DTYPE_CODES[flat.dtype]), np.int64(flat.numel()),
-                       *_bound(error_bound), pointer(header), pointer(sizes), pointer(escape_counts)), 0, device)
-    return header, sizes, escape_counts
+                       *_bound(error_bound), pointer(header), pointer(sizes)), 0, device)
+    return header, sizes
 
 
-def lorenzo_encode_cuda(flat: torch.Tensor, error_bound: float, *,
-                        runner: KernelRunner | None = None) -> dict[str, torch.Tensor]:
-    """Encode kernels: ``header``, ``payload``, ``escape_index``, ``escape_value`` bit-identical to
-    ``lorenzo_encode_reference`` for the flat contiguous ``flat``."""
+def lorenzo_encode_cuda(flat: torch.Tensor, error_bound: float, *, runner: KernelRunner | None = None
+                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Encode kernels: buffers ``header`` (bit-identical to ``lorenzo_encode_reference``'s) and ``payload``, whose
+    first bytes are the reference's payload, in a buffer of ``reserved_payload_bytes``; and that size in bytes,
+    a 1-element int64 tensor on the device (never read here)."""
     runner = runner or default_runner()
     _check_flat(flat, runner)
     numel, device = flat.numel(), flat.device
+    header, sizes = lorenzo_header_pass(flat, error_bound, runner=runner)
+    payload = torch.empty(reserved_payload_bytes(numel, flat.element_size()), dtype=torch.uint8, device=device)
     if not numel:
-        return {"header": torch.empty(0, dtype=torch.int16, device=device),
-                "payload": torch.empty(0, dtype=torch.uint8, device=device),
-                "escape_index": torch.empty(0, dtype=index_dtype(0), device=device),
-                "escape_value": flat.new_empty(0)}
-    header, sizes, escape_counts = lorenzo_header_pass(flat, error_bound, runner=runner)
-    offsets, payload_bytes = _exclusive_cumsum(sizes)
-    escape_offsets, escapes = _exclusive_cumsum(escape_counts)
-    # The one host synchronisation of the encode: the two totals, to allocate the exactly-sized buffers.
-    payload_bytes, escapes = torch.stack([payload_bytes, escapes]).tolist()
-    payload = torch.empty(payload_bytes, dtype=torch.uint8, device=device)
-    escape_index = torch.empty(escapes, dtype=index_dtype(numel), device=device)
-    escape_value = torch.empty(escapes, dtype=flat.dtype, device=device)
-    if payload_bytes or escapes:  # else every block is header-only (e.g. all zeros): nothing to write
-        grid, block = _grid(-(-numel // BLOCK))
-        runner.launch(SOURCE, "lorenzo_payload", grid, block,
-                      (pointer(flat), np.int32(DTYPE_CODES[flat.dtype]), np.int64(numel), *_bound(error_bound),
-                       pointer(offsets), pointer(escape_offsets), pointer(payload), pointer(escape_index),
-                       np.int32(escape_index.dtype == torch.int64), pointer(escape_value)), 0, device)
-    return {"header": header, "payload": payload, "escape_index": escape_index, "escape_value": escape_value}
+        return {"header": header, "payload": payload}, torch.zeros(1, dtype=torch.int64, device=device)
+    ends = torch.cumsum(sizes, 0, dtype=torch.int64)
+    grid, block = _grid(header.numel())
+    runner.launch(SOURCE, "lorenzo_payload", grid, block,
+                  (pointer(flat), np.int32(DTYPE_CODES[flat.dtype]), np.int64(numel), *_bound(error_bound),
+                   pointer(ends), pointer(payload)), 0, device)
+    return {"header": header, "payload": payload}, ends[-1:]
 
 
 def lorenzo_decode_cuda(buffers: dict[str, torch.Tensor], numel: int, error_bound: float, dtype: torch.dtype, *,
                         runner: KernelRunner | None = None) -> torch.Tensor:
     """Decode kernels: a flat tensor of ``numel`` elements in ``dtype``, bit-identical to
-    ``lorenzo_decode_reference``."""
+    ``lorenzo_decode_reference``. The payload's length is checked against the most ``numel`` values can store,
+    not against the headers' total (a host read): the buffers must come from an encode."""
     runner = runner or default_runner()
     header, payload = buffers["header"], buffers["payload"]
-    escape_index, escape_value = buffers["escape_index"], buffers["escape_value"]
     device = header.device
     check_runner_device(runner, device)
     check_dtype("dtype", dtype, KERNEL_DTYPES)
     blocks = -(-numel // BLOCK)
     check_tensor("header", header, device=device, dtypes=(torch.int16,), numel=blocks)
-    sizes = block_sizes(header)[0]
-    offsets = torch.cumsum(sizes, 0) - sizes
-    if blocks:  # the headers and the payload must agree (one host read, like encode's)
-        check_tensor("payload", payload, device=device, dtypes=(torch.uint8,), numel=int(sizes.sum()))
-    check_tensor("escape_index", escape_index, device=device, dtypes=(index_dtype(numel),))
-    check_tensor("escape_value", escape_value, device=device, dtypes=(dtype,), numel=escape_index.numel())
+    check_tensor("payload", payload, device=device, dtypes=(torch.uint8,))
+    most = reserved_payload_bytes(numel, dtype.itemsize)
+    if payload.numel() > most:
+        raise ValueError(f"payload must have at most {most} elements for {numel} values of {dtype}; got "
+                         f"{payload.numel()}")
     out = torch.empty(numel, dtype=dtype, device=device)
     if not numel:
         return out
     code = np.int32(DTYPE_CODES[dtype])
+    sizes = torch.empty(blocks, dtype=torch.int32, device=device)
+    runner.launch(SOURCE, "lorenzo_sizes", (min(-(-blocks // SIZES_THREADS), launcher.MAX_BLOCKS), 1, 1),
+                  (SIZES_THREADS, 1, 1), (pointer(header), np.int64(blocks), code, pointer(sizes)), 0, device)
+    ends = torch.cumsum(sizes, 0, dtype=torch.int64)
     grid, block = _grid(blocks)
     runner.launch(SOURCE, "lorenzo_decode", grid, block,
-                  (pointer(header), pointer(offsets), pointer(payload), np.int64(numel), _bound(error_bound)[1],
+                  (pointer(header), pointer(ends), pointer(payload), np.int64(numel), _bound(error_bound)[1],
                    pointer(out), code), 0, device)
-    escapes = escape_index.numel()
-    if escapes:
-        runner.launch(SOURCE, "lorenzo_scatter", (min(-(-escapes // SCATTER_THREADS), launcher.MAX_BLOCKS), 1, 1),
-                      (SCATTER_THREADS, 1, 1),
-                      (pointer(escape_index), np.int32(escape_index.dtype == torch.int64), pointer(escape_value),
-                       np.int64(escapes), code, pointer(out)), 0, device)
     return out
+
+
+class PayloadTrims:
+    """Encoded forms whose payload is still the encode's reservation, waiting for the GPU to finish them; each
+    is cut to its exact size once it has (see the module docstring). Thread-safe: hooks run per thread."""
+
+    def __init__(self):
+        self._pending = collections.deque()  # (weakref to a Packed, event, host int64 size, stream), FIFO
+        self._lock = threading.Lock()
+
+    def track(self, packed, payload_bytes: torch.Tensor) -> None:
+        """Trim ``packed.buffers["payload"]`` to ``payload_bytes`` (its encode's device size) once the GPU has
+        written it. Off CUDA, nothing: those runners finish before they return, and exist for tests."""
+        if payload_bytes.device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(payload_bytes.device)
+        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        host.copy_(payload_bytes, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self.queue(packed, done, host, stream)
+
+    def queue(self, packed, done, host: torch.Tensor, stream) -> None:
+        """Trim ``packed``'s payload to ``int(host)`` bytes once ``done.query()`` (made on ``stream``, or on the
+        current stream when None)."""
+        with self._lock:
+            self._pending.append((weakref.ref(packed), done, host, stream))
+
+    def poll(self) -> None:
+        """Trim every tracked payload whose size has arrived, oldest first; never waits."""
+        while True:
+            with self._lock:
+                if not self._pending or not self._pending[0][1].query():
+                    return
+                ref, _, host, stream = self._pending.popleft()
+            packed = ref()
+            if packed is None:  # decoded and released before the trim
+                continue
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                packed.buffers["payload"] = packed.buffers["payload"][:int(host)].clone()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+# The process's queue: every lorenzo codec's CUDA encodes, polled by every lorenzo encode and decode.
+TRIMS = PayloadTrims()

@@ -5,8 +5,8 @@ Strict guarantee, for every finite input element ``x`` of a float32/bfloat16/flo
 decode ``y`` (same dtype): ``|x - y| <= error_bound`` exactly (the real-number difference, not a rounded one);
 ``|x| <= eb`` (below) decodes to exactly 0, which for 16/32-bit inputs is every ``|x| <= error_bound``; NaN and
 +-Inf come back bit for bit (NaN payloads included: they are escapes, stored raw, never computed with).
-cuSZ/cuSZp/FZ-GPU accept 1.01-1.1x the bound; here every reconstruction is verified at encode time and escapes
-are stored raw.
+cuSZ/cuSZp/FZ-GPU accept 1.01-1.1x the bound; here every reconstruction is verified at encode time and a block
+holding an escape is stored raw.
 
 Constants, computed once on the host in float32: ``eb`` = the largest float32 <= ``error_bound``,
 ``step = 2 * eb``, ``inv = 1 / step`` (each one IEEE float32 operation), ``TMAX = 2**29`` (so |codes| <= 2**29 + 1 and
@@ -22,39 +22,45 @@ Encode, per element (every float operation is one IEEE operation, round to neare
     q0 = rint(t)                     (ties to even)
     ok(q) := |xc - r(q)| < eb        (strict: a rounded difference below eb proves the exact one is)
     ok(q0) -> q0;  else q1 = q0 + (xc > r(q0) ? 1 : -1);  ok(q1) -> q1;  else escape
-    escape -> code 0, and (index, raw x) appended to the escape list (in index order)
+    escape -> code 0, and its block is stored verbatim (mode 3 below)
 
 The grid (``eb``, ``step``, ``inv``, ``t``) is float32 for every dtype; only the checks of a float64 input are
 float64, so its bound holds for x itself, not for float32(x).
 
 Blocks of 32 consecutive codes of the flattened tensor (the last is zero-padded) are stored independently
-(so a GPU decodes them in parallel). Each block stores values ``v`` in one of three modes, the cheapest,
-ties to the lower mode number:
+(so a GPU decodes them in parallel). Each block stores values ``v`` in one of four modes, the cheapest,
+ties to the lower mode number; a block holding an escape is always verbatim:
 
     mode 0  raw codes   v[i] = q[i]
     mode 1  Lorenzo     v[0] = 0, v[i] = q[i] - q[i-1]             (1D prediction along the contiguous dim;
                         q[0], the lead value, is stored in the fewest bytes f = 1..4 of two's complement)
     mode 2  sparse      the nonzero codes only (ReLU-heavy blocks)
+    mode 3  verbatim    the 32 input values themselves, |xc| <= eb set to +0.0 (padding lanes 0): blocks with
+                        an escape, and blocks whose codes cost more than their values (16-bit inputs, tiny bounds)
 
 ``w`` = bit length of max |v| (0..31), ``s`` = 1 if any v < 0.
 Header: one uint16 per block, ``w | s << 5 | mode << 6 | k << 8 | (f - 1) << 14`` (k = nonzero codes in
-sparse mode, f = lead-value bytes in Lorenzo mode, else both 0).
+sparse mode, f = lead-value bytes in Lorenzo mode, else both 0; w = s = 0 in verbatim mode).
 Payload, 32-bit little-endian words where lane i is bit i:
 
     raw (mode 0):     [sign word if s] + w magnitude bit-planes      -> 4 * (w + s) bytes (0 if w = 0)
     Lorenzo (mode 1): f lead-value bytes, then as raw                -> f + 4 * (w + s) bytes
     sparse (mode 2):  nonzero-lane mask word + a bit stream where plane p (sign first if s, then magnitude
                       bits) of the j-th nonzero code is bit p * k + j  -> 4 + ceil(k * (w + s) / 8) bytes
+    verbatim (mode 3): the 32 values' bytes, lane order, little-endian  -> 32 * itemsize bytes
 
 2D prediction (independent 4 x 8 tiles, ``q - left - up + upleft``) was measured on conv activations and stores
 3-4% more than these 1D blocks (``benchmarks/results/lorenzo_2d.md``), so it is not a mode.
 
-Block payload sizes follow from the headers alone; byte offsets are their exclusive prefix sum (int64).
-Escape indices are int32, or int64 when the tensor has 2**31 elements or more. When the total would exceed
-the raw tensor, the raw tensor (with |xc| <= eb set to 0) is stored instead: never more bytes than the input.
+Block payload sizes follow from the headers (and the dtype) alone; byte offsets are their exclusive prefix sum
+(int64). No block stores more than its 32 values verbatim (32 codes of at most 30 bits and a sign word take
+124 bytes, a float32 block 128), so a tensor's payload never exceeds ``reserved_payload_bytes``, the bytes of the
+input padded to whole blocks: the CUDA encode writes into a buffer of that size without reading the actual size
+on the host (:mod:`lightning_act.cuda.lorenzo`). With the headers, an incompressible tensor stores at most 2 bytes
+per 32 elements more than its raw bytes (no escape list, no whole-tensor raw form).
 
-Decode: codes from the payload (mode 1: inclusive prefix sum within the block), ``y = r(q)``, escapes
-scattered back raw. A zero code decodes to +0.0; ``r(q)`` of a stored code is never NaN.
+Decode: codes from the payload (mode 1: inclusive prefix sum within the block), ``y = r(q)``; verbatim blocks
+give their values' bits back. A zero code decodes to +0.0; ``r(q)`` of a stored code is never NaN.
 
 Kernels: the CUDA kernels take float32/float16/bfloat16. A float64 tensor (rare: scientific models) runs this
 torch code on any device and with every backend, ``backend="cupy"`` included: a saved tensor never raises for
@@ -69,7 +75,7 @@ from ._bitpack import pack_codes, unpack_codes
 
 BLOCK = 32
 TMAX = float(1 << 29)
-MODE_RAW, MODE_LORENZO, MODE_SPARSE = 0, 1, 2
+MODE_RAW, MODE_LORENZO, MODE_SPARSE, MODE_VERBATIM = 0, 1, 2, 3
 # Elements per torch chunk: bounds the bit-plane temporaries (a few bytes per element and plane).
 CHUNK_ELEMENTS = 1 << 18
 
@@ -91,9 +97,10 @@ def working_bound(error_bound: float) -> tuple[float, float, float]:
     return float(eb), float(step), float(inv)
 
 
-def index_dtype(numel: int) -> torch.dtype:
-    """Escape-index dtype: int32 while every index fits, int64 from 2**31 elements on."""
-    return torch.int32 if numel <= (1 << 31) - 1 else torch.int64
+def reserved_payload_bytes(numel: int, itemsize: int) -> int:
+    """The most payload bytes a tensor of ``numel`` elements of ``itemsize`` bytes can store: every block
+    verbatim."""
+    return -(-numel // BLOCK) * BLOCK * itemsize
 
 
 def _reconstruct(q: torch.Tensor, step: float, dtype: torch.dtype) -> torch.Tensor:
@@ -177,10 +184,17 @@ def _lead_bytes(first: torch.Tensor) -> torch.Tensor:
     return bit_length(magnitude) // 8 + 1
 
 
-def encode_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Headers (int16 storage of the uint16 headers) and payload bytes of a flat int32 code tensor."""
-    pad = (-q.numel()) % BLOCK
-    codes = torch.cat([q, q.new_zeros(pad)]).view(-1, BLOCK)
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """A flat tensor zero-padded to whole blocks, as (blocks, 32)."""
+    return torch.cat([t, t.new_zeros((-t.numel()) % BLOCK)]).view(-1, BLOCK)
+
+
+def encode_blocks(q: torch.Tensor, raw: torch.Tensor | None = None,
+                  escape: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Headers (int16 storage of the uint16 headers) and payload bytes of a flat int32 code tensor. ``raw`` (the
+    values verbatim blocks store: the input with ``|xc| <= eb`` set to 0) and ``escape`` (the escape mask) allow
+    verbatim blocks; without them every block stores codes."""
+    codes = _blocks(q)
     deltas = torch.zeros_like(codes)  # lane 0 holds no delta: its code is the block's lead value
     deltas[:, 1:] = codes[:, 1:] - codes[:, :-1]
     lead = _lead_bytes(codes[:, 0])
@@ -196,21 +210,26 @@ def encode_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lead + 4 * (w_delta + s_delta),
         torch.where(k > 0, 4 + (k * (w_raw + s_raw) + 7) // 8, 1 << 30),
     ], dim=1)
+    verbatim_bytes = 0
+    if raw is not None:
+        verbatim_bytes = BLOCK * raw.element_size()
+        escaped = _blocks(escape).any(dim=1, keepdim=True)
+        cost = torch.cat([torch.where(escaped, 1 << 30, cost), torch.full_like(k, verbatim_bytes)[:, None]], dim=1)
     sizes, mode = cost.min(dim=1)  # first minimum: ties go to the lower mode
-    use_delta = mode == MODE_LORENZO
-    w = torch.where(use_delta, w_delta, w_raw)
-    s = torch.where(use_delta, s_delta, s_raw)
+    use_delta, verbatim = mode == MODE_LORENZO, mode == MODE_VERBATIM
+    w = torch.where(use_delta, w_delta, torch.where(verbatim, 0, w_raw))
+    s = torch.where(use_delta, s_delta, ~verbatim & s_raw)
     header = (w | (s.to(torch.int64) << 5) | (mode << 6) | (torch.where(mode == MODE_SPARSE, k, 0) << 8)
               | (torch.where(use_delta, lead - 1, 0) << 14))
     header = header.to(torch.int32).to(torch.int16)  # the uint16 bit pattern
     if not bool((sizes > 0).any()):
         return header, q.new_zeros(0, dtype=torch.uint8)
 
-    # row layout: 4 bytes of the lead value, then the plane region (dense planes or sparse mask + stream)
+    # row layout: 4 bytes of the lead value, then the region (dense planes, sparse mask + stream, or verbatim)
     rows = max(int((w + s).max()), 1)
     values = torch.where(use_delta[:, None], deltas, codes)
     planes = _planes(values, s, rows)
-    out = torch.zeros(codes.shape[0], 4 * rows + 8, dtype=torch.uint8, device=q.device)
+    out = torch.zeros(codes.shape[0], 4 + max(4 * rows + 4, verbatim_bytes), dtype=torch.uint8, device=q.device)
     byte = torch.arange(4, device=q.device)
     out[:, :4] = ((codes[:, :1].to(torch.int64) >> (8 * byte)) & 255).to(torch.uint8)
     out[:, 4: 4 * rows + 4] = _bytes_of_bits(planes.reshape(codes.shape[0], -1))
@@ -221,30 +240,34 @@ def encode_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         position = _sparse_positions(ks, lanes, rows)
         stream.scatter_add_(1, position.reshape(sparse.numel(), -1),
                             (planes[sparse] * lanes[:, None, :]).reshape(sparse.numel(), -1))
-        out[sparse, 4:] = _bytes_of_bits(torch.cat([lanes.to(torch.uint8), stream], dim=1))
+        out[sparse, 4: 4 * rows + 8] = _bytes_of_bits(torch.cat([lanes.to(torch.uint8), stream], dim=1))
+    if raw is not None:
+        out[verbatim, 4: 4 + verbatim_bytes] = _blocks(raw).view(torch.uint8).view(-1, verbatim_bytes)[verbatim]
     lead_used = torch.where(use_delta, lead, 0)
     column = torch.arange(out.shape[1], device=q.device)[None, :]
     keep = (column < lead_used[:, None]) | ((column >= 4) & (column - 4 < (sizes - lead_used)[:, None]))
     return header, out[keep]
 
 
-def block_sizes(header: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(sizes, w, s, mode, k, lead)`` of each block (int64), from the uint16 headers alone (``lead``: bytes
-    of the lead value, Lorenzo blocks only)."""
+def block_sizes(header: torch.Tensor, itemsize: int) -> tuple[torch.Tensor, ...]:
+    """``(sizes, w, s, mode, k, lead)`` of each block (int64), from the uint16 headers and the bytes per value
+    (of verbatim blocks) alone (``lead``: bytes of the lead value, Lorenzo blocks only)."""
     h = header.to(torch.int64) & 0xFFFF
     w, s, mode, k = h & 31, (h >> 5) & 1, (h >> 6) & 3, (h >> 8) & 63
     lead = torch.where(mode == MODE_LORENZO, (h >> 14) + 1, 0)
     dense = lead + 4 * (w + s)
     sparse = 4 + (k * (w + s) + 7) // 8
-    return torch.where(mode == MODE_SPARSE, sparse, dense), w, s, mode, k, lead
+    sizes = torch.where(mode == MODE_SPARSE, sparse, torch.where(mode == MODE_VERBATIM, BLOCK * itemsize, dense))
+    return sizes, w, s, mode, k, lead
 
 
-def decode_blocks(header: torch.Tensor, payload: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of :func:`encode_blocks`: ``numel`` int32 codes."""
-    sizes, w, s, mode, k, lead = block_sizes(header)
+def decode_blocks(header: torch.Tensor, payload: torch.Tensor, numel: int, itemsize: int) -> torch.Tensor:
+    """Inverse of :func:`encode_blocks` for the coded blocks: ``numel`` int32 codes (0 in verbatim blocks)."""
+    sizes, w, s, mode, k, lead = block_sizes(header, itemsize)
     blocks = sizes.numel()
-    region = sizes - lead
-    if not blocks or not bool((sizes > 0).any()):
+    coded = mode != MODE_VERBATIM
+    region = torch.where(coded, sizes - lead, 0)
+    if not blocks or not bool((coded & (sizes > 0)).any()):
         return torch.zeros(numel, dtype=torch.int32, device=header.device)
     offsets = torch.cumsum(sizes, 0) - sizes
     last = payload.numel() - 1
@@ -283,42 +306,52 @@ def _split_chunks(numel: int) -> list[tuple[int, int]]:
     return [(e0, min(numel, e0 + CHUNK_ELEMENTS)) for e0 in range(0, numel, CHUNK_ELEMENTS)]
 
 
+def decode_values(header: torch.Tensor, payload: torch.Tensor, numel: int, step: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` decoded values in ``dtype``: ``r(q)`` of the coded blocks, the stored bits of verbatim ones."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    values = _reconstruct(decode_blocks(header, payload, numel, itemsize), step, dtype)
+    sizes, _, _, mode, _, _ = block_sizes(header, itemsize)
+    verbatim = (mode == MODE_VERBATIM).nonzero().view(-1)
+    if not verbatim.numel():
+        return values
+    offsets = torch.cumsum(sizes, 0) - sizes
+    index = offsets[verbatim, None] + torch.arange(BLOCK * itemsize, device=header.device)
+    blocks = _blocks(values)
+    blocks[verbatim] = payload[index].view(dtype)
+    return blocks.view(-1)[:numel]
+
+
 def lorenzo_encode_reference(flat: torch.Tensor, error_bound: float) -> dict[str, torch.Tensor]:
-    """Torch specification of the encode kernels: buffers ``header``, ``payload``, ``escape_index``,
-    ``escape_value`` of a flat tensor."""
+    """Torch specification of the encode kernels: buffers ``header`` and ``payload`` of a flat tensor, at their
+    exact sizes."""
     eb, step, inv = working_bound(error_bound)
-    headers, payloads, escape_index, escape_value = [], [], [], []
+    headers, payloads = [], []
     for e0, e1 in _split_chunks(flat.numel()):
         chunk = flat[e0:e1]
         q, escape = prequantize(chunk, eb, step, inv)
-        header, payload = encode_blocks(q)
+        header, payload = encode_blocks(q, torch.where(checked_float(chunk).abs() <= eb, 0, chunk), escape)
         headers.append(header)
         payloads.append(payload)
-        where = escape.nonzero().view(-1)
-        escape_index.append(where.to(torch.int64) + e0)
-        escape_value.append(chunk[where])
-    device, idx = flat.device, index_dtype(flat.numel())
 
     def cat(parts, dtype):
-        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=flat.device)
 
-    return {"header": cat(headers, torch.int16), "payload": cat(payloads, torch.uint8),
-            "escape_index": cat(escape_index, torch.int64).to(idx), "escape_value": cat(escape_value, flat.dtype)}
+    return {"header": cat(headers, torch.int16), "payload": cat(payloads, torch.uint8)}
 
 
 def lorenzo_decode_reference(buffers: dict[str, torch.Tensor], numel: int, error_bound: float,
                              dtype: torch.dtype) -> torch.Tensor:
-    """Torch specification of the decode kernel: a flat tensor of ``numel`` elements in ``dtype``."""
+    """Torch specification of the decode kernel: a flat tensor of ``numel`` elements in ``dtype``. The payload
+    may be longer than the headers' total (the CUDA encode's reservation): the bytes past it are not read."""
     _, step, _ = working_bound(error_bound)
     header, payload = buffers["header"], buffers["payload"]
     out = torch.empty(numel, dtype=dtype, device=header.device)
-    sizes = block_sizes(header)[0]
+    sizes = block_sizes(header, out.element_size())[0]
     block_offsets = torch.cumsum(sizes, 0) - sizes
     for e0, e1 in _split_chunks(numel):
         b0, b1 = e0 // BLOCK, -(-e1 // BLOCK)
         start = int(block_offsets[b0])
         end = start + int(sizes[b0:b1].sum())
-        codes = decode_blocks(header[b0:b1], payload[start:end], e1 - e0)
-        out[e0:e1] = _reconstruct(codes, step, dtype)
-    out[buffers["escape_index"].to(torch.int64)] = buffers["escape_value"]
+        out[e0:e1] = decode_values(header[b0:b1], payload[start:end], e1 - e0, step, dtype)
     return out

@@ -9,7 +9,7 @@ from lightning_act.cuda.division import division_decode_cuda, division_encode_cu
 from lightning_act.cuda.lorenzo import lorenzo_decode_cuda, lorenzo_encode_cuda
 from lightning_act.cuda.quantize import dequantize_cuda, quantize_cuda
 from lightning_act.formats.division import division_decode_reference, division_encode_reference
-from lightning_act.formats.lorenzo import lorenzo_decode_reference, lorenzo_encode_reference
+from lightning_act.formats.lorenzo import lorenzo_decode_reference, lorenzo_encode_reference, reserved_payload_bytes
 from lightning_act.formats.quantize import dequantize_reference, quantize_reference
 from tests.cuda_emulation.emulator import EmulatorRunner
 from tests.cuda_emulation.nan_payloads import INT_VIEW
@@ -70,12 +70,16 @@ def check_division(runner, x, block, bits, seed=3, key=11):
 
 
 def check_lorenzo(runner, flat, error_bound):
-    """Emulated kernels == torch reference: encode buffers, and decode of the reference's encoding."""
+    """Emulated kernels == torch reference: the header, the payload's first bytes and its size (kept on the device
+    by the kernels, whose payload buffer is the reservation), then decode of the reference's encoding both ways."""
     expected = lorenzo_encode_reference(flat, error_bound)
-    encoded = lorenzo_encode_cuda(flat.contiguous(), error_bound, runner=runner)
+    encoded, payload_bytes = lorenzo_encode_cuda(flat.contiguous(), error_bound, runner=runner)
     assert encoded.keys() == expected.keys()
-    for name in expected:
-        assert_same_bits(encoded[name], expected[name])
+    assert_same_bits(encoded["header"], expected["header"])
+    size = expected["payload"].numel()
+    assert payload_bytes.tolist() == [size]
+    assert encoded["payload"].numel() == reserved_payload_bytes(flat.numel(), flat.element_size())
+    assert_same_bits(encoded["payload"][:size], expected["payload"])
     decode_args = (expected, flat.numel(), error_bound, flat.dtype)
     decoded = lorenzo_decode_cuda(*decode_args, runner=runner)
     assert_same_bits(decoded, lorenzo_decode_reference(*decode_args))

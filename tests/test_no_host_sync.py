@@ -1,0 +1,135 @@
+"""No codec's CUDA path reads a device value on the host (issue 20, item 2).
+
+Each codec encodes and decodes through its kernel path with the emulator standing in for the GPU, under a guard
+that raises on every operation which, on a CUDA tensor, would make the host wait for the GPU: a scalar read
+(``.item()``, ``int()``, ``bool()``, ``float()``, ``__index__``: ``aten._local_scalar_dense``), ``.tolist()``,
+``.numpy()``, ``.cpu()``, ``.to("cpu")``, and the ops whose output shape depends on the data (``nonzero``,
+boolean-mask indexing, ``masked_select``, ``unique``, ``repeat_interleave`` without an output size). On this CPU
+every tensor stands for a device tensor, so any such read in the path fails the test; the decoded values are
+then checked bit for bit against the torch path.
+"""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lightning_act as act
+from lightning_act.cuda.launcher import use_runner
+from tests.cuda_emulation.checks import assert_same_bits
+from tests.cuda_emulation.emulator import requires_gxx
+
+# Tensor methods that copy a value to the host (the scalar conversions also reach _local_scalar_dense below).
+HOST_READS = frozenset({"item", "tolist", "numpy", "__array__", "cpu", "__int__", "__bool__", "__float__",
+                        "__index__", "__complex__"})
+# ATen ops that read a value on the host: the scalar read, and the ones sizing their output from the data.
+SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+                         "unique_consecutive"})
+
+
+class HostReadError(AssertionError):
+    pass
+
+
+def _names_host(value) -> bool:
+    return isinstance(value, (str, torch.device)) and torch.device(value).type == "cpu"
+
+
+class _NoHostReadFunctions(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in HOST_READS:
+            raise HostReadError(f"Tensor.{name} reads a device value on the host")
+        if name == "to" and (any(_names_host(a) for a in args[1:]) or _names_host(kwargs.get("device"))):
+            raise HostReadError("Tensor.to('cpu') copies a device tensor to the host")
+        return func(*args, **kwargs)
+
+
+class _NoHostReadOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in SYNCING_OPS:
+            raise HostReadError(f"aten.{name} reads a device value on the host")
+        if name in ("index", "index_put", "index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None):
+            raise HostReadError(f"aten.{name} with a boolean mask sizes its output from the data")
+        if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4:
+            raise HostReadError("aten.repeat_interleave without output_size sizes its output from the data")
+        return func(*args, **kwargs)
+
+
+class no_host_reads:
+    """Context: any host read of a tensor value raises :class:`HostReadError`."""
+
+    def __enter__(self):
+        self._modes = (_NoHostReadFunctions(), _NoHostReadOps())
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("read", [
+    lambda t: t.sum().item(), lambda t: int(t[0]), lambda t: bool(t.any()), lambda t: float(t[1]),
+    lambda t: [0, 1, 2][t[1]], lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.to("cpu"), lambda t: t.numpy(),
+    lambda t: torch.nonzero(t), lambda t: t[t > 0], lambda t: t.unique(), lambda t: t.repeat_interleave(t),
+], ids=["item", "int", "bool", "float", "index", "tolist", "cpu", "to_cpu", "numpy", "nonzero", "mask", "unique",
+        "repeat_interleave"])
+def test_the_guard_catches_every_host_read(read):
+    t = torch.tensor([0, 1, 2])
+    with pytest.raises(HostReadError), no_host_reads():
+        read(t)
+
+
+def test_the_guard_lets_device_side_work_through():
+    t = torch.tensor([3.0, -1.0, 2.0])
+    with no_host_reads():
+        out = torch.cumsum(t, 0)[t.numel() - 1:] + t.amax() + t.abs().to(torch.float16).float()
+    assert out.tolist() == [10.0, 8.0, 9.0]
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CODECS = {
+    **{f"quantize{bits}": {"name": "quantize", "bits": bits} for bits in (1, 2, 4, 8)},
+    "division": {"name": "division"},
+    "lorenzo": {"name": "lorenzo", "error_bound": 1e-2},
+}
+
+
+def _data(dtype: torch.dtype) -> torch.Tensor:
+    """A (2, 3, 20, 24) activation: smooth, sparse and noisy parts and a few non-finite values, which every codec
+    takes (lorenzo stores them raw)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 20, 24, generator=gen)
+    x[0, 0] = torch.linspace(-2, 2, 480).view(20, 24)
+    x[0, 1] *= torch.rand(20, 24, generator=gen) < 0.1
+    x[1, 2, 3, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -0.0])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.toolchain
+@requires_gxx
+def test_codec_cuda_paths_never_read_a_device_value_on_the_host(runner, codec, dtype):
+    """Encode, the stored size and decode through the kernels (emulated), under the guard; the decode equals the
+    torch path's bit for bit."""
+    options = dict(CODECS[codec])
+    name = options.pop("name")
+    x = _data(dtype)
+    if name != "lorenzo":
+        x = torch.nan_to_num(x, nan=0.0, posinf=3.0, neginf=-3.0)  # lossy codecs: finite inputs
+    runner.launches.clear()
+    with use_runner(runner), no_host_reads():
+        kernels = act.codecs.get(name, backend="cupy", **options)
+        packed = kernels.encode(x, key=5)
+        nbytes = packed.nbytes
+        decoded = kernels.decode(packed)
+    assert runner.launches, "the kernel path did not run"
+    assert nbytes == sum(b.numel() * b.element_size() for b in packed.buffers.values()) > 0
+    reference = act.codecs.get(name, backend="torch", **options)
+    assert_same_bits(decoded, reference.decode(reference.encode(x, key=5)))
