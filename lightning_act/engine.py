@@ -61,6 +61,12 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
     fn = t.grad_fn
     if fn is None:
         return t.requires_grad
+    base = t._base
+    if base is not None and _fn_kind(type(fn)) is False:
+        # a view's history up to its base is view ops: start at the base (one step, not one per view op)
+        fn = base.grad_fn
+        if fn is None:
+            return base.requires_grad
     for _ in range(_MAX_VIEW_DEPTH):
         kind = _fn_kind(type(fn))
         if kind is not False:
@@ -70,6 +76,21 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
             return False
         fn = inputs[0]
     return False
+
+
+def _parameters_and_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """What ``model.parameters()`` and ``model.buffers()`` list together (shared ones possibly twice), walking the
+    module tree directly: read at every step, and ``named_modules`` builds a name string per module."""
+    tensors, modules, seen = [], [model], {id(model)}
+    while modules:
+        module = modules.pop()
+        tensors += [t for t in module._parameters.values() if t is not None]
+        tensors += [t for t in module._buffers.values() if t is not None]
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                modules.append(child)
+    return tensors
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -393,7 +414,7 @@ class ActivationCompressor:
     def _model_storages(self) -> set[int]:
         if self.model is None:
             return set()
-        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        tensors = _parameters_and_buffers(self.model)
         return {t.untyped_storage().data_ptr() for t in map(_local_tensor, tensors)
                 if t.layout == torch.strided and torch._C._has_storage(t)}
 
