@@ -143,8 +143,12 @@ PART_ALIGN = 16
 def one_buffer(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[torch.Tensor]:
     """Flat tensors of ``(numel, dtype)`` each, as views of ONE allocation, each part starting on a
     ``PART_ALIGN`` boundary: an encoded form costs one allocator call, and its parts live and die together."""
-    layout = buffer_layout(tuple((str(i), numel, dtype) for i, (numel, dtype) in enumerate(parts)))
-    return list(OneBuffer.empty(layout, device).values())
+    sizes = []  # each part's bytes, then the padding to the next boundary: one split() cuts them all
+    for numel, dtype in parts:
+        nbytes = numel * dtype.itemsize
+        sizes += (nbytes, -nbytes % PART_ALIGN)
+    pieces = torch.empty(sum(sizes), dtype=torch.uint8, device=device).split(sizes)
+    return [piece if dtype == torch.uint8 else piece.view(dtype) for piece, (_, dtype) in zip(pieces[::2], parts)]
 
 
 class BufferLayout(NamedTuple):
