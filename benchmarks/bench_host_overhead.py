@@ -2,25 +2,40 @@
 
 A GPU step hides host work only while the host spends less time per op than the GPU. This measures the host
 side alone: the model is BERT-base-shaped (12 layers, hidden 768) at batch 1 and sequence 8, so the compute is
-small; the codecs take their CUDA path (``backend="cupy"``) on CPU tensors through a no-op kernel runner
+small (the vocabulary is cut to 1024 tokens: a dense 94 MB embedding gradient is work the compressor never sees,
+and only adds noise to the plain step); the codecs take their CUDA path (``backend="cupy"``) on CPU tensors through a no-op kernel runner
 (:func:`lightning_act.cuda.launcher.use_runner`), so every launcher, allocation, check, guard and record runs and
 no kernel does. Two figures per configuration, medians over alternating repeats:
 
-* step: (compressed step - plain step) / saved tensors: everything the compressor adds, op tracking included;
-* hooks: time inside the pack and unpack hooks / saved tensors.
+* step: (compressed step - the plain step run just before it) / saved tensors: everything the compressor adds,
+  op tracking included;
+* hooks: time inside the pack and unpack hooks / saved tensors (pack + unpack).
 
-    python benchmarks/bench_host_overhead.py [--quick] [--repeats 15]
+Times are the thread's CPU time (``time.thread_time``), not wall time: on a shared machine the wall clock also
+counts the time other processes held the CPU. The hooks' clock reads its own cost too (two clock reads per hook
+call); that cost, measured the same way around an empty call, is subtracted.
+
+``--baseline DIR`` compares with another checkout of the package (``git worktree add DIR <commit>``): each round
+runs one child process per code version, alternating, so both see the same machine load; medians over rounds.
+
+    python benchmarks/bench_host_overhead.py [--quick] [--repeats 15] [--baseline DIR --rounds 3] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import lightning_act as act
 from lightning_act.cuda.launcher import use_runner
+from models import MachineLoad, machine, publish
 
 CONFIGS = {
     "quantize 4-bit": dict(bits=4, adaptive=False),
@@ -47,7 +62,7 @@ def bert_base(layers: int = 12, seq: int = 8, batch: int = 1):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(num_hidden_layers=layers, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    config = BertConfig(num_hidden_layers=layers, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, vocab_size=1024)
     model = BertForSequenceClassification(config).train()
     ids = torch.randint(0, config.vocab_size, (batch, seq))
     labels = torch.randint(0, 2, (batch,))
@@ -55,27 +70,31 @@ def bert_base(layers: int = 12, seq: int = 8, batch: int = 1):
 
 
 class _HookClock:
-    """Wraps a compressor's pack and unpack hooks to add up the time spent inside them."""
+    """Adds up the thread CPU time spent inside the functions it wraps (a compressor's pack and unpack hooks),
+    and counts the calls."""
 
-    def __init__(self, compressor: act.ActivationCompressor):
+    def __init__(self):
         self.seconds = 0.0
-        pack, unpack = compressor._pack, compressor._unpack
+        self.calls = 0
 
-        def timed_pack(*args):
-            start = time.perf_counter()
+    def wrap(self, fn):
+        def timed(*args):
+            start = time.thread_time()
             try:
-                return pack(*args)
+                return fn(*args)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds += time.thread_time() - start
+                self.calls += 1
 
-        def timed_unpack(saved):
-            start = time.perf_counter()
-            try:
-                return unpack(saved)
-            finally:
-                self.seconds += time.perf_counter() - start
+        return timed
 
-        compressor._pack, compressor._unpack = timed_pack, timed_unpack
+    def bias(self, calls: int = 20000) -> float:
+        """Seconds this clock reports per call of a function that does nothing (its own cost)."""
+        clock = _HookClock()
+        empty = clock.wrap(lambda *args: None)
+        for _ in range(calls):
+            empty()
+        return clock.seconds / calls
 
 
 def measure(name: str, options: dict, layers: int, repeats: int) -> dict:
@@ -83,7 +102,8 @@ def measure(name: str, options: dict, layers: int, repeats: int) -> dict:
     runner = NoOpRunner()
     with use_runner(runner):  # backend="cupy" needs CuPy unless a runner stands in
         compressor = act.ActivationCompressor(model, act.ACTConfig(backend="cupy", **options))
-    clock = _HookClock(compressor)
+    clock = _HookClock()
+    compressor._pack, compressor._unpack = clock.wrap(compressor._pack), clock.wrap(compressor._unpack)
 
     def plain() -> None:
         loss_fn().backward()
@@ -94,20 +114,22 @@ def measure(name: str, options: dict, layers: int, repeats: int) -> dict:
         loss.backward()
 
     plain_times, compressed_times, hook_times = [], [], []
+    bias = clock.bias()
     with use_runner(runner), torch.random.fork_rng():
         for i in range(repeats + 2):  # two warm-up rounds
             for step, times in ((plain, plain_times), (compressed, compressed_times)):
                 model.zero_grad(set_to_none=True)
-                clock.seconds = 0.0
-                start = time.perf_counter()
+                clock.seconds, clock.calls = 0.0, 0
+                start = time.thread_time()
                 step()
                 if i >= 2:
-                    times.append(time.perf_counter() - start)
+                    times.append(time.thread_time() - start)
                     if step is compressed:
-                        hook_times.append(clock.seconds)
+                        hook_times.append(clock.seconds - clock.calls * bias)
     stats = compressor.stats()
     saved = stats.num_saved
-    step_us = (statistics.median(compressed_times) - statistics.median(plain_times)) / saved * 1e6
+    # each compressed step against the plain step run just before it: the machine's drift cancels
+    step_us = statistics.median(c - p for c, p in zip(compressed_times, plain_times)) / saved * 1e6
     return {"config": name, "saved": saved, "compressed": stats.num_compressed,
             "launches_per_step": runner.launches / (repeats + 2),
             "step_us_per_saved": step_us, "hook_us_per_saved": statistics.median(hook_times) / saved * 1e6,
@@ -116,9 +138,23 @@ def measure(name: str, options: dict, layers: int, repeats: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| config | saved tensors (compressed) | kernel launches / step | host µs per saved tensor: step | "
-             "hooks only | plain step ms |", "|---|---|---|---|---|---|"]
+             "hooks only | plain step ms (CPU) |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['config']} | {r['saved']} ({r['compressed']}) | {r['launches_per_step']:.0f} | "
               f"{r['step_us_per_saved']:.1f} | {r['hook_us_per_saved']:.1f} | {r['plain_ms']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def comparison_table(before: list[list[dict]], after: list[list[dict]]) -> str:
+    """Medians over rounds, before -> after, per configuration."""
+    lines = ["| config | host µs per saved tensor: step, before -> after | hooks only, before -> after |",
+             "|---|---|---|"]
+    for i, row in enumerate(after[0]):
+        def median(rounds, key):
+            return statistics.median(r[i][key] for r in rounds)
+
+        lines.append(f"| {row['config']} | {median(before, 'step_us_per_saved'):.1f} -> "
+                     f"{median(after, 'step_us_per_saved'):.1f} | {median(before, 'hook_us_per_saved'):.1f} -> "
+                     f"{median(after, 'hook_us_per_saved'):.1f} |")
     return "\n".join(lines)
 
 
@@ -128,14 +164,45 @@ def run(quick: bool = False, repeats: int = 15) -> list[dict]:
     return [measure(name, options, layers, repeats) for name, options in configs.items()]
 
 
+def _child(package_root: Path | None, quick: bool, repeats: int) -> list[dict]:
+    """This script's measurement in a fresh process, importing ``lightning_act`` from ``package_root`` (the
+    checkout this script belongs to when None)."""
+    root = package_root or Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, __file__, "--json", "--repeats", str(repeats)] + (["--quick"] if quick else [])
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, 3 repeats, 2 configs (the test's mode)")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--baseline", type=Path, help="a checkout of the package to compare with")
+    parser.add_argument("--rounds", type=int, default=3, help="child processes per code version (--baseline)")
+    parser.add_argument("--out", type=Path, help="write the results here (markdown)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON (what --baseline reads)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # host overhead is single-threaded Python; one thread keeps the plain step steady
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, BERT-base shape, batch 1 x 8 tokens")
-    print(table(run(args.quick, args.repeats)))
+    if args.json:
+        print(json.dumps(run(args.quick, args.repeats)))
+        return
+    header = (f"{machine()}; BERT-base shape, batch 1 x 8 tokens, no-op kernels; thread CPU time, medians\n\n"
+              f"Command: `python benchmarks/bench_host_overhead.py {' '.join(sys.argv[1:])}`\n")
+    with MachineLoad() as load:
+        if args.baseline is None:
+            body = table(run(args.quick, args.repeats))
+        else:
+            before, after = [], []
+            for _ in range(args.rounds):
+                before.append(_child(args.baseline.resolve(), args.quick, args.repeats))
+                after.append(_child(None, args.quick, args.repeats))
+            body = (f"Before: {args.baseline}; after: this checkout. {args.rounds} rounds, each a child process "
+                    f"per version, alternating.\n\n{comparison_table(before, after)}\n\nAfter, last round:\n\n"
+                    f"{table(after[-1])}")
+    summary = load.summary()
+    publish(f"{header}\n{body}\n\nMachine load while this ran: {summary['other_cores']:.2f} other cores busy on "
+            f"average, load average {summary['loadavg_start']:.1f} -> {summary['loadavg_end']:.1f}\n", args.out)
 
 
 if __name__ == "__main__":

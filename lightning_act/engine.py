@@ -61,6 +61,12 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
     fn = t.grad_fn
     if fn is None:
         return t.requires_grad
+    base = t._base
+    if base is not None and _fn_kind(type(fn)) is False:
+        # a view's history up to its base is view ops: start at the base (one step, not one per view op)
+        fn = base.grad_fn
+        if fn is None:
+            return base.requires_grad
     for _ in range(_MAX_VIEW_DEPTH):
         kind = _fn_kind(type(fn))
         if kind is not False:
@@ -70,6 +76,21 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
             return False
         fn = inputs[0]
     return False
+
+
+def _parameters_and_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """What ``model.parameters()`` and ``model.buffers()`` list together (shared ones possibly twice), walking the
+    module tree directly: read at every step, and ``named_modules`` builds a name string per module."""
+    tensors, modules, seen = [], [model], {id(model)}
+    while modules:
+        module = modules.pop()
+        tensors += [t for t in module._parameters.values() if t is not None]
+        tensors += [t for t in module._buffers.values() if t is not None]
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                modules.append(child)
+    return tensors
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -108,18 +129,21 @@ class _Saved:
         self.version = t._version
         self.shape = t.shape
         self.tensor = tensor  # kept as it is
-        self.packed = packed  # compressed form of the tensor, or of its whole storage
+        self.packed = packed  # compressed form of the tensor (of its shape), or of its whole storage (flat)
         self.swapped = swapped  # ... or that form moved to host memory
         self.codec = codec
         self.geometry = geometry  # (size, stride, storage_offset) of a view into a compressed storage
 
     def check_version(self) -> None:
         if self.watched is not None and self.watched._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a saved tensor of shape {list(self.shape)} is at version {self.watched._version}; "
-                f"expected version {self.version} instead (lightning_act keeps autograd's in-place check)"
-            )
+            self.version_error()
+
+    def version_error(self) -> None:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: a saved tensor of shape {list(self.shape)} is at version {self.watched._version}; "
+            f"expected version {self.version} instead (lightning_act keeps autograd's in-place check)"
+        )
 
 
 def _kept(t: torch.Tensor, watch: bool = True) -> _Saved:
@@ -134,6 +158,7 @@ class _Step:
     def __init__(self, number: int, param_storages: set[int], records: list[TensorRecord] | None = None,
                  phase: str = "forward"):
         self.number = number
+        self.noise_base = rng.mix32(number)  # noise key of saved tensor i: noise_base ^ i (default policy)
         # data pointers of storages saved tensors are parameters of; integrations add the weights they
         # materialise during the forward (lightning_act.integrations.fsdp: FSDP's all-gathered parameters)
         self.param_storages = param_storages
@@ -144,22 +169,24 @@ class _Step:
         self.seen: dict[tuple, tuple[StorageWeakRef, _Saved]] = {}
 
 
-def _storage_unit(t: torch.Tensor) -> tuple[torch.Tensor, tuple | None, tuple]:
-    """What a memory-order codec compresses for ``t``: the tensor itself, or its whole storage in memory order
-    when ``t`` is a view covering most of it (channels_last and other permuted layouts, stride-0 expansions and
-    transposes then cost their real storage, and views of one storage are stored once). Returns ``(flat unit,
-    geometry to rebuild t, de-duplication key)``."""
-    storage = t.untyped_storage()
+def _storage_unit(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[torch.Tensor, tuple | None, tuple]:
+    """What a memory-order codec compresses for ``t`` (whose storage is ``storage``): the tensor itself when it
+    is its whole storage, contiguous (no view is made: the codec reads it in memory order and decodes it in its
+    shape), else its whole storage in memory order, flat, when ``t`` is a view covering most of it
+    (channels_last and other permuted layouts, stride-0 expansions and transposes then cost their real storage,
+    and views of one storage are stored once), else a contiguous copy. Returns ``(unit, geometry to rebuild t
+    from the decoded storage, de-duplication key)``."""
+    nbytes = storage.nbytes()
     itemsize = t.element_size()
-    storage_numel = storage.nbytes() // itemsize
-    ptr = storage.data_ptr()
-    if t.is_contiguous() and t.storage_offset() == 0 and t.numel() == storage_numel:
-        return t.reshape(-1), None, (ptr, t.dtype, t._version, None)
-    if storage.nbytes() % itemsize == 0 and 0 < storage_numel <= 2 * t.numel():
+    numel = t.numel()
+    if numel * itemsize == nbytes and t.is_contiguous() and t.storage_offset() == 0:
+        return t, None, (storage.data_ptr(), t.dtype, t._version, None)
+    storage_numel = nbytes // itemsize
+    if nbytes % itemsize == 0 and 0 < storage_numel <= 2 * numel:
         flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage_numel,))
         geometry = (tuple(t.shape), t.stride(), t.storage_offset())
-        return flat, geometry, (ptr, t.dtype, t._version, None)
-    return t.contiguous().reshape(-1), None, (ptr, t.dtype, t._version, _geometry(t))
+        return flat, geometry, (storage.data_ptr(), t.dtype, t._version, None)
+    return t.contiguous(), None, (storage.data_ptr(), t.dtype, t._version, _geometry(t))
 
 
 class ModelPreparation(Protocol):
@@ -387,7 +414,7 @@ class ActivationCompressor:
     def _model_storages(self) -> set[int]:
         if self.model is None:
             return set()
-        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        tensors = _parameters_and_buffers(self.model)
         return {t.untyped_storage().data_ptr() for t in map(_local_tensor, tensors)
                 if t.layout == torch.strided and torch._C._has_storage(t)}
 
@@ -397,19 +424,21 @@ class ActivationCompressor:
         dtype_codec = codecs.dtype_codec(t.dtype)
         if dtype_codec is not None:
             return self.codec(dtype_codec)
-        if self.codec_policy is not None:
-            codec = self.codec_policy(index, t)
+        policies = self._policies
+        if policies["codec"] is not None:
+            codec = policies["codec"](index, t)
             if codec is not None:
                 return codec
-        bits = self.bits_policy(index, t) if self.bits_policy is not None else None
+        bits = policies["bits"](index, t) if policies["bits"] is not None else None
         return self.codec(self.config.codec, bits)
 
     def noise_key(self, index: int, step: "_Step | None" = None) -> int:
         """Random-stream key of saved tensor ``index`` in ``step`` (default: this thread's current step)."""
-        number = (step or self.current_step).number
-        if self.noise_policy is not None:
-            return self.noise_policy(number, index)
-        return rng.mix32(number) ^ index
+        step = step or self.current_step
+        policy = self._policies["noise"]
+        if policy is not None:
+            return policy(step.number, index)
+        return step.noise_base ^ index
 
     def codec(self, name: str, bits: int | None = None) -> Codec:
         """Codec ``name``, built once per compressor: the configured codec with the config's options, ``bits``
@@ -434,8 +463,10 @@ class ActivationCompressor:
         return _kept(t, watch)
 
     def _pack(self, step: "_Step", t: torch.Tensor) -> _Saved:
+        # The hot path (every saved tensor): attribute reads and identity tests first, each check once, and no
+        # torch op beyond the codec's own, the version alias and the storage's weak reference.
         index = len(step.records)
-        if t.layout != torch.strided:
+        if t.layout is not torch.strided:
             # kept as it is, counted once per step (a GNN's adjacency is saved by every layer)
             parts = _sparse_parts(t)
             key = ("sparse", t.layout, tuple(t.shape)) + tuple(x.untyped_storage().data_ptr() for x in parts)
@@ -453,11 +484,12 @@ class ActivationCompressor:
                 self._record(step, index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
                 return _kept(t, watch=False)
             return self._keep(step, index, t, f"{kind.__name__} on {t.device.type}", 0, watch=False)
-        if kind is nn.Parameter or t.untyped_storage().data_ptr() in step.param_storages or _derives_from_leaf(t):
+        storage = t.untyped_storage()
+        if kind is nn.Parameter or storage.data_ptr() in step.param_storages or _derives_from_leaf(t):
             self._record(step, index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
             return _kept(t)
 
-        unit, geometry, key = _storage_unit(t)
+        unit, geometry, key = _storage_unit(t, storage)
         original = unit.numel() * unit.element_size()
         codec, reason = self._decide(step, index, t, unit)
         if codec is not None and codec.logical_layout:
@@ -470,8 +502,7 @@ class ActivationCompressor:
             self._record(step, index, t, DUPLICATE, codec.name if codec is not None else "none", 0.0, 0, 0)
             if first.tensor is not None:
                 return _kept(t)
-            return _Saved(t, _version_alias(t), packed=first.packed, swapped=first.swapped, codec=first.codec,
-                          geometry=geometry)
+            return _Saved(t, _version_alias(t), None, first.packed, first.swapped, first.codec, geometry)
 
         if codec is None:
             saved = self._keep(step, index, t, reason, original)
@@ -482,28 +513,29 @@ class ActivationCompressor:
                 swapped, packed = self.swap_store.put(step.number, index, packed), None
             self._record(step, index, t, COMPRESSED, codec.name, codec.bits_per_element(unit, packed), original, stored,
                          offloaded=swapped is not None, error_bound=codec.error_bound)
-            saved = _Saved(t, _version_alias(t), packed=packed, swapped=swapped, codec=codec, geometry=geometry)
-        step.seen[key] = (StorageWeakRef(t.untyped_storage()), saved)
+            saved = _Saved(t, _version_alias(t), None, packed, swapped, codec, geometry)
+        step.seen[key] = (StorageWeakRef(storage), saved)
         return saved
 
     def _decide(self, step: "_Step", index: int, t: torch.Tensor,
                 unit: torch.Tensor) -> tuple[Codec | None, str]:
         """The codec for an activation, or ``None`` and the reason it is kept as it is."""
-        if not self.config.enabled:
-            if self.config.swap and t.is_floating_point() and unit.numel() >= max(self.config.min_numel, 1):
+        config, numel = self.config, unit.numel()
+        if not config.enabled:
+            if config.swap and t.is_floating_point() and numel >= max(config.min_numel, 1):
                 return self.codec("none"), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
         codec = None
-        if step.tracker is not None and unit.numel() >= self.config.min_numel:
+        if step.tracker is not None and numel >= config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly
             codec = op_rules.codec_for_call(step.tracker.current, t)
         if codec is None:
-            if t.dtype == torch.bool and not self.config.compress_masks:
+            if t.dtype is torch.bool and not config.compress_masks:
                 return None, "mask compression off"
-            if not (t.is_floating_point() or t.dtype == torch.bool):
+            if not (t.is_floating_point() or t.dtype is torch.bool):
                 return None, f"{t.dtype} values"
-            if unit.numel() < max(self.config.min_numel, 1):
-                return None, f"fewer than min_numel={self.config.min_numel} elements"
+            if numel < max(config.min_numel, 1):
+                return None, f"fewer than min_numel={config.min_numel} elements"
             codec = self.codec_for(index, t)
         if codec.dtypes is not None and t.dtype not in codec.dtypes:
             # a dtype the codec cannot take is kept exactly, never an error inside autograd's hook
@@ -512,15 +544,17 @@ class ActivationCompressor:
 
     @staticmethod
     def _unpack(saved: _Saved) -> torch.Tensor:
-        saved.check_version()
+        watched = saved.watched
+        if watched is not None and watched._version != saved.version:
+            saved.version_error()
         if saved.tensor is not None:
             return saved.tensor
         packed = saved.packed if saved.packed is not None else saved.swapped.fetch()
-        flat = saved.codec.decode(packed).reshape(-1)
+        out = saved.codec.decode(packed)  # in the shape of what was encoded: the tensor, or its storage (flat)
         if saved.geometry is not None:
             size, stride, offset = saved.geometry
-            return flat.as_strided(size, stride, offset)
-        return flat.view(saved.shape)
+            return out.as_strided(size, stride, offset)
+        return out if out.shape == saved.shape else out.view(saved.shape)
 
 
 def _sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:

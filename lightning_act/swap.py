@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .codecs.base import Packed
+from .cuda.launcher import BufferLayout, OneBuffer
 
 _ALIGN = 64  # bytes: every buffer starts aligned, so uint8 slices can be viewed as any dtype
 _MIN_CLASS = 4096
@@ -71,7 +72,8 @@ class SwapHandle:
     store: "SwapStore"
     key: tuple[int, int]  # (step, index): backward prefetches (step, index - 1)
     host: torch.Tensor
-    layout: list[tuple[str, torch.dtype, torch.Size, int, int]]  # name, dtype, shape, offset, nbytes
+    # per buffer (name, dtype, shape, offset, nbytes), or a OneBuffer's layout: its one allocation is copied whole
+    layout: list[tuple[str, torch.dtype, torch.Size, int, int]] | BufferLayout
     packed: Packed  # metadata only: its buffers are empty
     swapped_out: object = None  # CUDA event: the host copy is complete
     incoming: tuple | None = field(default=None, repr=False)  # (device bytes, CUDA event) of a swap-in
@@ -100,17 +102,23 @@ class SwapStore:
         return streams
 
     def put(self, step: int, index: int, packed: Packed) -> SwapHandle:
-        layout, offset = [], 0
-        for name, buf in packed.buffers.items():
-            nbytes = buf.numel() * buf.element_size()
-            layout.append((name, buf.dtype, buf.shape, offset, nbytes))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        host = self.pool.acquire(offset)
+        buffers = packed.buffers
+        if type(buffers) is OneBuffer:  # one copy of the one allocation
+            layout = buffers.layout
+            host = self.pool.acquire(layout.total)
+            sources = [(buffers.data, host[:layout.total])]
+        else:
+            layout, offset = [], 0
+            for name, buf in buffers.items():
+                nbytes = buf.numel() * buf.element_size()
+                layout.append((name, buf.dtype, buf.shape, offset, nbytes))
+                offset += -(-nbytes // _ALIGN) * _ALIGN
+            host = self.pool.acquire(offset)
+            sources = [(buffers[name].reshape(-1).view(torch.uint8), host[o:o + n]) for name, _, _, o, n in layout]
         meta = Packed(packed.codec, packed.shape, packed.dtype, packed.device, {}, dict(packed.meta))
         handle = SwapHandle(self, (step, index), host, layout, meta)
         weakref.finalize(handle, self.pool.release, host)
         device = packed.device
-        sources = [(packed.buffers[name].reshape(-1).view(torch.uint8), host[o:o + n]) for name, _, _, o, n in layout]
         if device.type == "cuda":
             compute = torch.cuda.current_stream(device)
             swap_out, _ = self._cuda_streams(device)
@@ -131,7 +139,8 @@ class SwapStore:
         return handle
 
     def _swap_in(self, handle: SwapHandle, why: str) -> None:
-        total = handle.layout[-1][3] + handle.layout[-1][4] if handle.layout else 0
+        layout = handle.layout
+        total = layout.total if type(layout) is BufferLayout else layout[-1][3] + layout[-1][4] if layout else 0
         device = handle.packed.device
         if device.type == "cuda":
             _, swap_in = self._cuda_streams(device)
@@ -156,7 +165,10 @@ class SwapStore:
             compute = torch.cuda.current_stream(handle.packed.device)
             compute.wait_event(arrived)
             data.record_stream(compute)
-        buffers = {name: data[o:o + n].view(dtype).view(shape) for name, dtype, shape, o, n in handle.layout}
+        if type(handle.layout) is BufferLayout:
+            buffers = OneBuffer(data, handle.layout)
+        else:
+            buffers = {name: data[o:o + n].view(dtype).view(shape) for name, dtype, shape, o, n in handle.layout}
         self._log("use", handle.key)
         step, index = handle.key
         previous = self._handles.get((step, index - 1))

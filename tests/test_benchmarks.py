@@ -146,3 +146,19 @@ def test_bench_gnn_sparse_quick_measures_every_configuration(tmp_path):
                           "sparse, L1 (auto-precision)", "sparse, checkpoint per layer"}
     assert peaks["edge_index, uncompressed"] > peaks["sparse, uncompressed"] > 0
     assert "| sparse | 4-bit |" in out.read_text()
+
+
+def test_host_overhead_quick_mode_measures_the_cuda_path_with_no_op_kernels():
+    """bench_host_overhead.py --quick in-process: the figures exist and the CUDA path ran (kernel launches); no
+    speed is asserted here (the targets live in the benchmark and its results file)."""
+    pytest.importorskip("transformers")
+    import bench_host_overhead
+
+    rows = bench_host_overhead.run(quick=True)
+    assert [r["config"] for r in rows] == list(bench_host_overhead.CONFIGS)[:2]
+    for r in rows:
+        assert r["saved"] > r["compressed"] > 0 and r["launches_per_step"] > 0
+        assert all(math.isfinite(r[k]) for k in ("step_us_per_saved", "hook_us_per_saved", "plain_ms"))
+        assert r["hook_us_per_saved"] > 0
+    table = bench_host_overhead.comparison_table([rows], [rows])
+    assert f"| {rows[0]['config']} | {rows[0]['step_us_per_saved']:.1f} -> {rows[0]['step_us_per_saved']:.1f} |" in table

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
+from ..cuda.launcher import OneBuffer
 from . import backend
 
 
@@ -14,19 +16,22 @@ from . import backend
 class Packed:
     """A compressed tensor: the buffers it stores and what is needed to rebuild the original.
 
-    ``buffers`` holds every tensor the compressed form keeps alive (payload, per-group statistics, ...);
-    ``nbytes`` is their exact total, the number the engine reports as stored bytes.
+    ``buffers`` holds every tensor the compressed form keeps alive (payload, per-group statistics, ...): a dict,
+    or a :class:`~lightning_act.cuda.launcher.OneBuffer` (the parts as views of one allocation, built on first
+    access); ``nbytes`` is their exact total, the number the engine reports as stored bytes.
     """
 
     codec: str
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
-    buffers: dict[str, torch.Tensor]
+    buffers: Mapping[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
+        if type(self.buffers) is OneBuffer:
+            return self.buffers.nbytes
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     @property
@@ -38,7 +43,10 @@ class Packed:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
         """The same compressed form with its buffers on ``device`` (used by CPU swap)."""
-        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.buffers.items()}
+        if type(self.buffers) is OneBuffer:
+            moved = self.buffers.to(device, non_blocking)
+        else:
+            moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.buffers.items()}
         return Packed(self.codec, self.shape, self.dtype, self.device, moved, dict(self.meta))
 
 

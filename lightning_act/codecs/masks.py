@@ -72,18 +72,19 @@ class ScaledMaskCodec(Codec):
         _float_input(self.name, x)
         flat = x.reshape(-1)
         nonzero = flat != 0
-        # clone: indexing with a 0-dim tensor returns a view, which would keep the whole input alive
-        scale = flat[nonzero.to(torch.uint8).argmax()].reshape(1).clone() if flat.numel() else flat.new_zeros(1)
-        if not torch.equal(torch.where(nonzero, scale, flat.new_zeros(())), flat):
-            raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one value; got "
-                             f"a tensor of shape {list(x.shape)} with several non-zero values")
+        # dropout noise (0 or 1/(1-p)): the value is the maximum, one reduction; else the first non-zero element
+        scale = flat.amax() if flat.numel() else flat.new_zeros(())
+        if not torch.equal(torch.where(nonzero, scale, 0.0), flat):
+            scale = flat[nonzero.to(torch.uint8).argmax()].clone()  # a view would keep the input alive
+            if not torch.equal(torch.where(nonzero, scale, 0.0), flat):
+                raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one value; "
+                                 f"got a tensor of shape {list(x.shape)} with several non-zero values")
         bits = pack_codes(nonzero.view(torch.uint8), 1)
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits, "scale": scale})
 
     def decode(self, packed: Packed) -> torch.Tensor:
         nonzero = unpack_codes(packed.buffers["bits"], 1, packed.numel).view(torch.bool)
-        scale = packed.buffers["scale"]
-        return torch.where(nonzero, scale, scale.new_zeros(())).view(packed.shape)
+        return torch.where(nonzero, packed.buffers["scale"], 0.0).view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return 1.0

@@ -7,8 +7,8 @@ import functools
 import torch
 
 from .._validate import check_choice, check_int
-from ..cuda.launcher import DTYPE_CODES
-from ..cuda.quantize import dequantize_cuda, quantize_cuda, supports
+from ..cuda.launcher import DTYPE_CODES, OneBuffer
+from ..cuda.quantize import dequantize_cuda, dequantize_cuda_packed, quantize_cuda_packed, supports
 from ..formats._bitpack import PACKABLE_BITS
 from ..formats.floats import FLOAT_DTYPES, canonical_nan_, check_float_input
 from ..formats.quantize import STATS_DTYPES, dequantize_reference, quantize_reference
@@ -26,8 +26,7 @@ class QuantizeCodec(Codec):
     name = "quantize"
     dtypes = frozenset(FLOAT_DTYPES)
     config_fields = ("bits", "group_size", "stats_dtype", "seed", "backend")
-    # the kernels' checks ran once, here and in the engine: not again for every saved tensor
-    _encode_kernel = functools.partial(quantize_cuda, checked=False)
+    # buffers given as separate tensors (a dict): the format was checked in __init__, not again per tensor
     _decode_kernel = functools.partial(dequantize_cuda, checked=False)
 
     def __init__(self, bits: int = 4, group_size: int = 256, stats_dtype: str = "float32", seed: int = 0,
@@ -48,20 +47,26 @@ class QuantizeCodec(Codec):
         if self.bits == 16:
             return Packed(self.name, x.shape, x.dtype, x.device, {"raw": canonical_nan_(x.to(torch.bfloat16))},
                           {"bits": 16})
-        encode = self._encode_kernel if self.runs_kernels(x) else quantize_reference
-        payload, mn, step = encode(x.contiguous(), self.bits, self.group_size, self.stats_dtype, self.seed, key)
-        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "mn": mn, "step": step},
-                      {"bits": self.bits, "group_size": self.group_size})
+        meta = {"bits": self.bits, "group_size": self.group_size}
+        if self.runs_kernels(x):  # the format was checked once, in __init__: the kernel path checks nothing more
+            buffers = quantize_cuda_packed(x.contiguous(), self.bits, self.group_size, self.stats_dtype, self.seed,
+                                           key)
+            return Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
+        payload, mn, step = quantize_reference(x.contiguous(), self.bits, self.group_size, self.stats_dtype,
+                                               self.seed, key)
+        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "mn": mn, "step": step}, meta)
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        if "raw" in packed.buffers:
-            raw = packed.buffers["raw"]
+        b, meta = packed.buffers, packed.meta
+        if type(b) is OneBuffer:  # what the kernel path stored
+            if self.runs_kernels(b.data, packed.dtype):
+                return dequantize_cuda_packed(b, packed.shape, meta["bits"], meta["group_size"], packed.dtype)
+        elif "raw" in b:
+            raw = b["raw"]
             if raw.dtype == packed.dtype:  # lossless: the input's own bits
                 return raw.view(packed.shape)
             return canonical_nan_(raw.to(packed.dtype)).view(packed.shape)
-        b = packed.buffers
-        args = (b["payload"], b["mn"], b["step"], packed.numel, packed.meta["bits"], packed.meta["group_size"],
-                packed.dtype)
+        args = (b["payload"], b["mn"], b["step"], packed.numel, meta["bits"], meta["group_size"], packed.dtype)
         decode = self._decode_kernel if self.runs_kernels(b["payload"], packed.dtype) else dequantize_reference
         return decode(*args).view(packed.shape)
 

@@ -8,8 +8,10 @@ emulator (``tests/cuda_emulation``) runs the very same source, grid and argument
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Mapping
 from importlib import resources
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -156,6 +158,90 @@ def one_buffer(device: torch.device, *parts: tuple[int, torch.dtype]) -> list[to
         sizes += (nbytes, -nbytes % PART_ALIGN)
     pieces = torch.empty(sum(sizes), dtype=torch.uint8, device=device).split(sizes)
     return [piece if dtype == torch.uint8 else piece.view(dtype) for piece, (_, dtype) in zip(pieces[::2], parts)]
+
+
+class BufferLayout(NamedTuple):
+    """Where each named part of a :class:`OneBuffer` lies: built once per format and size
+    (:func:`buffer_layout`), so an encode computes no offsets."""
+
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    offsets: tuple[int, ...]  # bytes from the start, each a multiple of PART_ALIGN
+    total: int  # bytes allocated, padding included
+    nbytes: int  # bytes of the parts (what the encoded form stores)
+
+
+@functools.lru_cache(maxsize=4096)
+def buffer_layout(parts: tuple[tuple[str, int, torch.dtype], ...]) -> BufferLayout:
+    """The layout of ``(name, numel, dtype)`` parts, each starting on a ``PART_ALIGN`` boundary."""
+    offsets, offset, nbytes = [], 0, 0
+    for _, numel, dtype in parts:
+        offsets.append(offset)
+        size = numel * dtype.itemsize
+        offset += size + (-size % PART_ALIGN)
+        nbytes += size
+    names, numels, dtypes = zip(*parts) if parts else ((), (), ())
+    return BufferLayout(names, numels, dtypes, tuple(offsets), offset, nbytes)
+
+
+class OneBuffer(Mapping):
+    """The parts of an encoded form, ``name -> flat tensor``, as views of ONE uint8 allocation ``data`` laid out
+    by ``layout``. The views are built on first access: the kernels only need :meth:`pointers`, so an encode
+    and its decode on the hot path cost one allocation and no view."""
+
+    __slots__ = ("data", "layout", "_views", "_pointers")
+
+    def __init__(self, data: torch.Tensor, layout: BufferLayout):
+        self.data, self.layout, self._views, self._pointers = data, layout, None, None
+
+    @classmethod
+    def empty(cls, layout: BufferLayout, device: torch.device) -> "OneBuffer":
+        return cls(torch.empty(layout.total, dtype=torch.uint8, device=device), layout)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def pointers(self) -> tuple[np.uint64, ...]:
+        """Each part's data pointer as a kernel argument, in layout order (built once: encode and decode
+        launch with the same ones)."""
+        pointers = self._pointers
+        if pointers is None:
+            base = self.data.data_ptr()
+            pointers = self._pointers = tuple([np.uint64(base + offset) for offset in self.layout.offsets])
+        return pointers
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "OneBuffer":
+        """The same parts in one copy of ``data`` on ``device``."""
+        return OneBuffer(self.data.to(device, non_blocking=non_blocking), self.layout)
+
+    def _built(self) -> dict[str, torch.Tensor]:
+        views = self._views
+        if views is None:
+            layout, sizes = self.layout, []
+            for numel, dtype, offset, end in zip(layout.numels, layout.dtypes, layout.offsets,
+                                                 layout.offsets[1:] + (layout.total,)):
+                sizes += (numel * dtype.itemsize, end - offset - numel * dtype.itemsize)
+            pieces = self.data.split(sizes)[::2]
+            views = self._views = {name: piece if dtype == torch.uint8 else piece.view(dtype)
+                                   for name, dtype, piece in zip(layout.names, layout.dtypes, pieces)}
+        return views
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._built()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layout.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout.names)
+
+    def __repr__(self) -> str:
+        return f"OneBuffer({dict(self._built())!r})"
 
 
 def pointer(t: torch.Tensor) -> np.uint64:

@@ -7,6 +7,7 @@ count (``launcher.multiprocessors``) and stride over the groups.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -16,12 +17,14 @@ from ..formats._bitpack import PACKABLE_BITS, packed_nbytes
 from . import launcher
 from .launcher import (
     DTYPE_CODES,
+    BufferLayout,
     KernelRunner,
+    OneBuffer,
+    buffer_layout,
     check_dtype,
     check_runner_device,
     check_tensor,
     default_runner,
-    one_buffer,
     pointer,
 )
 
@@ -82,34 +85,78 @@ def _config(numel: int, group_size: int, multiprocessors: int, max_blocks: int):
     return (blocks, 1, 1), (threads, 1, 1), 0
 
 
+class _Plan(NamedTuple):
+    """What a launch needs besides pointers and the noise, built once per format, dtype and size."""
+
+    layout: BufferLayout  # of (payload, mn, step)
+    grid: tuple
+    block: tuple
+    shared: int
+    args: tuple  # the kernel's scalar arguments that follow the input pointer (encode) or the parts (decode)
+    last: np.int32  # the last argument: the dtype code of the statistics (encode) or of the output (decode)
+
+
+# One entry per (format, dtype, numel) met: a model saves a few hundred distinct sizes; varying sequence lengths
+# add more, so the caches are bounded. ``max_blocks`` is launcher.MAX_BLOCKS (tests lower it).
+@functools.lru_cache(maxsize=4096)
+def _encode_plan(numel: int, dtype: torch.dtype, bits: int, group_size: int, stats_dtype: torch.dtype,
+                 multiprocessors: int, max_blocks: int) -> _Plan:
+    groups = -(-numel // group_size)
+    layout = buffer_layout((("payload", packed_nbytes(numel, bits), torch.uint8), ("mn", groups, stats_dtype),
+                            ("step", groups, stats_dtype)))
+    grid, block, shared = _config(numel, group_size, multiprocessors, max_blocks) if numel else (None, None, 0)
+    args = (np.int32(DTYPE_CODES[dtype]), np.int64(numel), np.int32(bits), np.int32(group_size))
+    return _Plan(layout, grid, block, shared, args, np.int32(DTYPE_CODES[stats_dtype]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_plan(numel: int, dtype: torch.dtype, bits: int, group_size: int, stats_dtype: torch.dtype,
+                 multiprocessors: int, max_blocks: int) -> _Plan:
+    grid, block, shared = _config(numel, group_size, multiprocessors, max_blocks) if numel else (None, None, 0)
+    args = (np.int32(DTYPE_CODES[stats_dtype]), np.int64(numel), np.int32(bits), np.int32(group_size))
+    return _Plan(None, grid, block, shared, args, np.int32(DTYPE_CODES[dtype]))
+
+
+def _encode(x: torch.Tensor, plan: _Plan, pointers: tuple, seed: int, key: int, runner: KernelRunner) -> None:
+    if plan.grid is not None:
+        args = (pointer(x), *plan.args, np.uint32(rng.stream_base(seed, key)), *pointers, plan.last)
+        runner.launch(SOURCE, "quantize_encode", plan.grid, plan.block, args, plan.shared, x.device)
+
+
 def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int, *,
                   runner: KernelRunner | None = None, out=None, checked: bool = True):
     """Encode kernel: ``(payload uint8, mn, step)`` bit-identical to ``quantize_reference``, views of one
     allocation.
 
     ``x`` must be contiguous; ``out`` may give preallocated ``(payload, mn, step)``. ``checked=False`` skips the
-    argument checks, for callers that checked the format once and pass contiguous tensors of a kernel dtype
-    (the codec: this runs for every saved tensor)."""
+    argument checks, for callers that checked the format once and pass contiguous tensors of a kernel dtype."""
     runner = runner or default_runner()
     numel = x.numel()
     if checked:
         _check_format(bits, group_size, stats_dtype)
         check_runner_device(runner, x.device)
         check_tensor("x", x, device=x.device, dtypes=tuple(DTYPE_CODES))
+    plan = _encode_plan(numel, x.dtype, bits, group_size, stats_dtype, launcher.multiprocessors(runner, x.device),
+                        launcher.MAX_BLOCKS)
     if out is None:
-        groups = -(-numel // group_size)
-        out = one_buffer(x.device, (packed_nbytes(numel, bits), torch.uint8), (groups, stats_dtype),
-                         (groups, stats_dtype))
+        out = tuple(OneBuffer.empty(plan.layout, x.device).values())
     elif checked:
         _check_out(out, numel, bits, group_size, stats_dtype, x.device)
-    payload, mn, step = out
-    if numel:
-        grid, block, shared = _launch_config(numel, group_size, launcher.multiprocessors(runner, x.device))
-        args = (pointer(x), np.int32(DTYPE_CODES[x.dtype]), np.int64(numel), np.int32(bits), np.int32(group_size),
-                np.uint32(rng.stream_base(seed, key)), pointer(payload), pointer(mn), pointer(step),
-                np.int32(DTYPE_CODES[stats_dtype]))
-        runner.launch(SOURCE, "quantize_encode", grid, block, args, shared, x.device)
-    return payload, mn, step
+    _encode(x, plan, tuple(map(pointer, out)), seed, key, runner)
+    return tuple(out)
+
+
+def quantize_cuda_packed(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int,
+                         key: int, *, runner: KernelRunner | None = None) -> OneBuffer:
+    """:func:`quantize_cuda` for the codec, which runs it for every saved tensor: the parts ``payload``, ``mn``
+    and ``step`` as a :class:`OneBuffer` (no views built), and no argument checks: the codec checked the format
+    once and passes contiguous tensors of a kernel dtype."""
+    runner = runner or default_runner()
+    plan = _encode_plan(x.numel(), x.dtype, bits, group_size, stats_dtype, launcher.multiprocessors(runner, x.device),
+                        launcher.MAX_BLOCKS)
+    buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=x.device), plan.layout)
+    _encode(x, plan, buffers.pointers(), seed, key, runner)
+    return buffers
 
 
 def _check_out(out, numel: int, bits: int, group_size: int, stats_dtype: torch.dtype, device: torch.device) -> None:
@@ -120,6 +167,12 @@ def _check_out(out, numel: int, bits: int, group_size: int, stats_dtype: torch.d
     if payload.data_ptr() % 4:
         raise ValueError(f"payload must be 4-byte aligned (encode writes 32-bit words); got data_ptr % 4 == "
                          f"{payload.data_ptr() % 4}")
+
+
+def _decode(pointers: tuple, plan: _Plan, out: torch.Tensor, runner: KernelRunner) -> None:
+    if plan.grid is not None:
+        args = (*pointers, *plan.args, pointer(out), plan.last)
+        runner.launch(SOURCE, "quantize_decode", plan.grid, plan.block, args, plan.shared, out.device)
 
 
 def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel: int, bits: int,
@@ -137,9 +190,19 @@ def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor,
     out = torch.empty(numel, dtype=dtype, device=device) if out is None else out
     if checked:
         check_tensor("out", out, device=device, dtypes=(dtype,), numel=numel)
-    if numel:
-        grid, block, shared = _launch_config(numel, group_size, launcher.multiprocessors(runner, device))
-        args = (pointer(payload), pointer(mn), pointer(step), np.int32(DTYPE_CODES[mn.dtype]), np.int64(numel),
-                np.int32(bits), np.int32(group_size), pointer(out), np.int32(DTYPE_CODES[dtype]))
-        runner.launch(SOURCE, "quantize_decode", grid, block, args, shared, device)
+    plan = _decode_plan(numel, dtype, bits, group_size, mn.dtype, launcher.multiprocessors(runner, device),
+                        launcher.MAX_BLOCKS)
+    _decode((pointer(payload), pointer(mn), pointer(step)), plan, out, runner)
+    return out
+
+
+def dequantize_cuda_packed(buffers: OneBuffer, shape: torch.Size, bits: int, group_size: int, dtype: torch.dtype,
+                           *, runner: KernelRunner | None = None) -> torch.Tensor:
+    """:func:`dequantize_cuda` for the codec: decodes what :func:`quantize_cuda_packed` stored straight into a
+    tensor of ``shape`` (no view to build), without argument checks."""
+    runner = runner or default_runner()
+    out = torch.empty(shape, dtype=dtype, device=buffers.data.device)
+    plan = _decode_plan(out.numel(), dtype, bits, group_size, buffers.layout.dtypes[1],
+                        launcher.multiprocessors(runner, out.device), launcher.MAX_BLOCKS)
+    _decode(buffers.pointers(), plan, out, runner)
     return out
