@@ -127,6 +127,7 @@ class Prepared:
         self.auto: AutoPrecision | None = None
         self.planner: MemoryBudget | None = None
         self.plan = None
+        self.shortfall: str | None = None  # the planner's warning when the budget cannot be met
         self._patched: list[nn.Module] = []
         self._hf_checkpointing = False
         if method.checkpoint == "torch" and is_hf(model):
@@ -158,9 +159,10 @@ class Prepared:
         step = functools.partial(self.forward_backward, loss_fn)
         if config.memory_budget is not None:
             self.planner = MemoryBudget(self.compressor, config.memory_budget)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="lightning_act memory_budget=.* cannot be met")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 self.plan = self.planner.plan(step)
+            self.shortfall = next((str(w.message) for w in caught if "cannot be met" in str(w.message)), None)
         elif config.adaptive:
             self.auto = AutoPrecision(self.compressor)
             if allocation is None:
@@ -350,6 +352,7 @@ class Runner:
             if prepared.plan is not None:
                 row["budget_mib"] = prepared.plan.budget_bytes / MiB
                 row["plan"] = dict(prepared.plan.options)
+                row["plan_met"] = prepared.shortfall is None
             del loss_fn
             row["fit_peaks_mib"] = self.fit_peaks(method, prepared, row["peak_mib"])
         except Exception as error:  # one failing configuration must not hide the others' numbers
@@ -508,7 +511,9 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
         lines += ["Memory budget: `ACTConfig(memory_budget=...)` planned by `MemoryBudget(compressor, budget).plan"
                   "(forward_backward)` at " + ("torch checkpointing's step peak" if args.memory_budget ==
                                                "checkpoint" else f"`{args.memory_budget}`") + "; plans: " +
-                  "; ".join(f"{r['model']} {r['budget_mib']:.0f} MiB: {_plan_summary(r['plan'])}" for r in budget) +
+                  "; ".join(f"{r['model']} {r['budget_mib']:.1f} MiB: {_plan_summary(r['plan'])}"
+                            f"{'' if r['plan_met'] else ' (the planner warns that it cannot meet the budget)'}"
+                            for r in budget) +
                   ". Its max batch comes from its most aggressive plan (budget 1 byte) at both sizes. Its "
                   "calibration runs the step uncompressed once (the planner's profile).", ""]
     l1 = [r for r in rows if r.get("allocated")]
