@@ -59,7 +59,7 @@ MiB = 2**20
 CPU = torch.device("cpu")
 L1_PROBE_BATCH = 4
 DEFAULT_CONFIGS = ("baseline", "L1", "2-bit", "CB1", "memory budget", "torch checkpoint")
-MODELS = {"ResNet-50": ("resnet", {"size": 32}), "BERT": ("bert", {})}  # builders in models.py, and options
+MODELS = {"ResNet-50": ("resnet", {"size": 32}), "BERT": ("bert", {"seq": 128, "layers": 4})}  # models.py builders
 
 
 @dataclass
@@ -229,7 +229,8 @@ def report(rows: list[dict], command: str) -> str:
     for r in rows:
         notes = []
         if "allocated" in r:
-            notes.append(f"bits allocated to {r['allocated'][0]}/{r['allocated'][1]} quantized tensors")
+            notes.append(f"bits allocated to {r['allocated'][0]}/{r['allocated'][1]} quantized tensors (the others: "
+                         f"under min_numel at batch {L1_PROBE_BATCH}, or storages already stored, at the fallback bits)")
         if "plan" in r:
             counts = {}
             for option in r["plan"].values():
