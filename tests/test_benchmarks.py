@@ -171,6 +171,3 @@ def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_pa
         assert budget["budget_mib"] == pytest.approx(configs["torch checkpoint"]["peak_mib"])
         if budget["plan_met"]:  # else the planner warned that even its most aggressive plan does not fit
             assert budget["peak_mib"] <= 1.1 * budget["budget_mib"]  # met within 10%
-        if not model.startswith("GCN"):  # the GCN's peak is its edge-sized messages, not saved activations
-            assert configs["2-bit"]["peak_mib"] < base["peak_mib"]
-            assert configs["2-bit"]["max_batch"] > base["max_batch"]
