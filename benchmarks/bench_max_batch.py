@@ -7,6 +7,20 @@ pinned, so freed tensors leave the RSS and trials do not hide each other's memor
 libraries are not counted. Nothing kills the child at the budget: a batch fits when its measured peak is at or
 below it (on CPU, RLIMIT_AS would count torch's large virtual reservations instead of memory used).
 
+The configurations are ``bench_gpu.py``'s (``bench_gpu.METHODS``, fp32 here, no autocast), side by side:
+
+- ``L1``: auto-precision's bits, estimated once per search by one round at batch ``L1_PROBE_BATCH`` and carried
+  to each trial's batch by pack order (``bench_gpu.carry_allocation``; a round at every trial batch would cost a
+  forward + backward per saved tensor each time). The table says how many saved tensors the allocation reached.
+- ``memory budget``: ``ACTConfig(memory_budget=...)``: each trial plans (``MemoryBudget(...).plan``) for the budget
+  minus what the built model and batch already hold, then trains one step; the planner's own profiling passes
+  are left out of the trial's peak (``peak_memory.reset_peak`` after planning), and their peak at the found
+  batch is reported beside it: the planner runs the step uncompressed once, so on a device that memory must
+  exist too.
+- ``CB1``: compressed checkpointing at 4 bits (HF layers through the config; ResNet bottlenecks through
+  ``lightning_act.checkpoint``); ``torch checkpoint``: HF's ``activation_checkpointing_enable()`` (formerly
+  ``gradient_checkpointing_enable()``), ``torch.utils.checkpoint`` per bottleneck.
+
 The search: a warm-up trial (one-time allocations of threads and lazy initialisation), two small batches
 fit a line ``peak = fixed + per_sample * batch``, then regula falsi between the largest batch measured to fit
 and the smallest measured not to (a trial goes at most 4x past the largest fit), each trial a real measured
@@ -14,7 +28,8 @@ step, until the two are within ``tolerance``. Children are forked from a ``forks
 lightning_act once, so each search starts from a fresh process without paying the imports again; several may
 run at once (memory is per process).
 
-    python benchmarks/bench_max_batch.py [--budget-mib 384] [--bits 4 2] [--parallel 2]
+    python benchmarks/bench_max_batch.py [--budget-mib 384] [--models resnet bert] [--configs baseline L1 ...]
+                                         [--parallel 2] [--out benchmarks/results/max_batch.md]
 """
 from __future__ import annotations
 
@@ -25,36 +40,93 @@ if __name__ == "__main__":  # pin glibc's mmap threshold before torch allocates 
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import multiprocessing.connection  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-import lightning_act as act  # noqa: E402
 import models  # noqa: E402
-from peak_memory import peak_step_bytes  # noqa: E402
+from bench_gpu import METHODS, Method, Prepared, carry_allocation  # noqa: E402
+from peak_memory import peak_resident_bytes, peak_step_bytes, reset_peak, resident_bytes  # noqa: E402
 
 MiB = 2**20
+CPU = torch.device("cpu")
+L1_PROBE_BATCH = 4
+DEFAULT_CONFIGS = ("baseline", "L1", "2-bit", "CB1", "memory budget", "torch checkpoint")
+MODELS = {"ResNet-50": ("resnet", {"size": 32}), "BERT": ("bert", {"seq": 128, "layers": 4})}  # models.py builders
 
 
-def trial_peak(build, config: act.ACTConfig | None, batch: int) -> int:
-    """Bytes the resident set grew to while building the model at ``batch`` and training one step."""
-    made = {}
+@dataclass
+class Setup:
+    """What a trial trains: a ``bench_gpu`` configuration, the search's budget (the memory-budget planner's, less
+    what the built model holds), L1's allocation (``AutoPrecision.state_dict()`` at ``allocation_batch``); and what
+    the trials saw, by batch: the planner's own peak and plan, L1's (allocated, compressed) tensor counts."""
+
+    method: Method
+    budget: int | None = None
+    allocation: dict | None = None
+    allocation_batch: int = 0
+    planning_peaks: dict = field(default_factory=dict)
+    plans: dict = field(default_factory=dict)
+    coverage: dict = field(default_factory=dict)
+
+
+def setup_for(config) -> Setup:
+    """A :class:`Setup` from a ``Setup``, a ``bench_gpu.METHODS`` name, an ``ACTConfig`` or ``None`` (baseline)."""
+    if isinstance(config, Setup):
+        return config
+    if isinstance(config, str):
+        return Setup(METHODS[config])
+    return Setup(Method(config))
+
+
+def trial_peak(build, config, batch: int) -> int:
+    """Bytes the resident set grew to while building the model at ``batch`` and training one step (``config``:
+    see :func:`setup_for`); the memory-budget planner's passes are left out, their peak kept in the setup."""
+    setup, made = setup_for(config), {}
 
     def trial():
-        model, loss_fn = made["model"] = build(batch)
-        compressor = None if config is None else act.ActivationCompressor(model, config)
-        models.train_step(model, loss_fn, compressor)
+        start = resident_bytes()
+        model, loss_fn = build(batch)
+        prepared = made["prepared"] = Prepared(setup.method, model, CPU, autocast=False)
+        if setup.method.budget:
+            held = resident_bytes() - start
+            prepared.calibrate(loss_fn, max(1, setup.budget - held))
+            setup.planning_peaks[batch] = peak_resident_bytes() - start
+            setup.plans[batch] = (dict(prepared.plan.options), prepared.shortfall is None)
+            reset_peak()  # planning is not the step: the trial's peak is the planned step's
+        else:
+            allocation = setup.allocation and carry_allocation(setup.allocation, setup.allocation_batch, batch)
+            prepared.calibrate(loss_fn, allocation=allocation)
+        model.zero_grad(set_to_none=True)
+        prepared.forward_backward(loss_fn)
+        if prepared.auto is not None:
+            setup.coverage[batch] = prepared.allocation_coverage()
 
     peak = peak_step_bytes(trial)
+    if "prepared" in made:
+        made["prepared"].close()
     made.clear()
     gc.collect()
     return peak
 
 
-def largest_batch(build, config: act.ACTConfig | None, budget: int, max_batch: int, tolerance: float = 0.03,
+def estimate_allocation(build, setup: Setup, batch: int = L1_PROBE_BATCH) -> None:
+    """L1: one auto-precision round at ``batch``; its allocation goes to every trial (carried to its batch)."""
+    model, loss_fn = build(batch)
+    prepared = Prepared(setup.method, model, CPU, autocast=False)
+    prepared.calibrate(loss_fn)
+    setup.allocation, setup.allocation_batch = prepared.auto.state_dict(), batch
+    prepared.close()
+
+
+def largest_batch(build, config, budget: int, max_batch: int, tolerance: float = 0.03,
                   probes: tuple[int, int] = (2, 8)) -> dict:
     """The largest batch (<= ``max_batch``) whose trial peak is <= ``budget`` bytes, within ``tolerance`` of
     the smallest batch measured over it; with every measured peak."""
@@ -102,7 +174,18 @@ def _child(connection, builder: str, options: dict, config, budget: int, max_bat
     try:
         torch.set_num_threads(threads)  # parallel children share the cores (OpenMP oversubscription is slow)
         build = lambda batch: getattr(models, builder)(batch, **options)  # noqa: E731
-        connection.send(largest_batch(build, config, budget, max_batch, tolerance))
+        setup = setup_for(config)
+        setup.budget = budget
+        if setup.method.config is not None and setup.method.config.adaptive:
+            estimate_allocation(build, setup)
+        found = largest_batch(build, setup, budget, max_batch, tolerance)
+        batch = found["batch"]
+        if batch in setup.coverage:
+            found["allocated"] = setup.coverage[batch]
+        if batch in setup.plans:
+            found["plan"], found["plan_met"] = setup.plans[batch]
+            found["planning_peak_mib"] = setup.planning_peaks[batch] / MiB
+        connection.send(found)
     finally:
         connection.close()
 
@@ -113,7 +196,7 @@ def search_in_children(jobs: list[dict], parallel: int = 1) -> list[dict]:
     torch threads each (each child measures its own resident set, so they do not see each other's memory); adds
     the seconds each search took."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["lightning_act", "models", "peak_memory", __name__])
+    context.set_forkserver_preload(["lightning_act", "models", "peak_memory", "bench_gpu", __name__])
     results, running, pending = [None] * len(jobs), {}, list(enumerate(jobs))
     threads = max(1, torch.get_num_threads() // parallel)
     while pending or running:
@@ -139,21 +222,63 @@ def search_in_children(jobs: list[dict], parallel: int = 1) -> list[dict]:
     return results
 
 
+def report(rows: list[dict], command: str) -> str:
+    """The side-by-side table, then how each figure was measured."""
+    lines = ["| model | budget MiB | config | max batch | vs baseline | trials | search s | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        notes = []
+        if "allocated" in r:
+            notes.append(f"bits allocated to {r['allocated'][0]}/{r['allocated'][1]} quantized tensors (the others: "
+                         f"under min_numel at batch {L1_PROBE_BATCH}, or storages already stored, at the fallback bits)")
+        if "plan" in r:
+            counts = {}
+            for option in r["plan"].values():
+                counts[option] = counts.get(option, 0) + 1
+            notes.append("plan: " + ", ".join(f"{n} {o}" for o, n in counts.items()) +
+                         ("" if r["plan_met"] else " (planner: budget not met)") +
+                         f"; planning peaked at {r['planning_peak_mib']:.0f} MiB")
+        lines.append(f"| {r['model']} {r['options']} | {r['budget_mib']} | {r['config']} | "
+                     f"{r['batch']}{'+' if r['capped'] else ''} | {r['batch_ratio']:.2f}x | {len(r['peaks_mib'])} | "
+                     f"{r['seconds']:.0f} | {'; '.join(notes)} |")
+    return "\n".join(lines) + (
+        "\n\nA trial builds the model and its batch and trains one step (fp32, forward + backward); it fits when its "
+        "resident-set peak above the child's level before the trial is at or below the budget; searches stop "
+        f"within {100 * rows[0]['tolerance']:.0f}%. L1: bits from one auto-precision round at batch {L1_PROBE_BATCH}, "
+        "carried to the trial's batch by pack order. memory budget: each trial plans for the budget less what the "
+        "built model and batch hold; the planner's passes are not in the trial's peak (their own peak at the found "
+        "batch is in the notes). CB1 and torch checkpoint: per ResNet bottleneck / per HF layer.\n\n"
+        f"Command: `{command}`; {models.machine()}.\n")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-mib", type=int, default=384)
-    parser.add_argument("--bits", type=int, nargs="+", default=[4, 2])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--configs", nargs="+", choices=list(METHODS), default=list(DEFAULT_CONFIGS))
     parser.add_argument("--max-batch", type=int, default=4096)
+    parser.add_argument("--tolerance", type=float, default=0.03)
     parser.add_argument("--parallel", type=int, default=2, help="searches at a time")
+    parser.add_argument("--out", type=Path, help="also write the markdown table here (and the rows as JSON beside)")
     args = parser.parse_args(argv)
-    configs = {"baseline": None, **{f"quantize {b}-bit": act.ACTConfig(bits=b, adaptive=False) for b in args.bits}}
-    jobs = [{"builder": builder, "options": options, "config": config, "budget": args.budget_mib * MiB,
-             "max_batch": args.max_batch, "tolerance": 0.03, "name": name}
-            for builder, options in (("resnet", {"size": 32}), ("bert", {})) for name, config in configs.items()]
-    print("| model | config | max batch |\n|---|---|---|")
+    configs = ["baseline", *(c for c in args.configs if c != "baseline")]
+    jobs = [{"model": model, "builder": MODELS[model][0], "options": MODELS[model][1], "config": name,
+             "budget": args.budget_mib * MiB, "max_batch": args.max_batch, "tolerance": args.tolerance}
+            for model in args.models for name in configs]
+    rows = []
     for job, found in zip(jobs, search_in_children(jobs, args.parallel)):
-        print(f"| {job['builder']} {job['options']} | {job['name']} | {found['batch']} |")
-    print(f"\nBudget {args.budget_mib} MiB per trial; {models.machine()}")
+        rows.append({"model": job["model"], "options": job["options"], "config": job["config"],
+                     "budget_mib": args.budget_mib, **found})
+        print(f"  {job['model']} {job['config']}: {found['batch']} ({found['seconds']:.0f} s)", flush=True)
+    for r in rows:
+        base = next(b for b in rows if b["model"] == r["model"] and b["config"] == "baseline")
+        r["batch_ratio"] = r["batch"] / max(base["batch"], 1)
+    command = "python benchmarks/bench_max_batch.py" + "".join(f" {a}" for a in (argv if argv is not None
+                                                                                 else sys.argv[1:]))
+    text = report(rows, command)
+    models.publish(text, args.out)
+    if args.out:
+        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str))
 
 
 if __name__ == "__main__":

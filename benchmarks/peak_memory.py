@@ -31,10 +31,26 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status: peak memory needs Linux")
 
 
-def peak_step_bytes(step: Callable[[], object]) -> int:
-    """Bytes the resident set grew to above its level before ``step()`` ran."""
-    before = _status_bytes("VmRSS:")
+def resident_bytes() -> int:
+    """The process's resident set now."""
+    return _status_bytes("VmRSS:")
+
+
+def peak_resident_bytes() -> int:
+    """The resident set's peak (VmHWM) since the process started or the last ``reset_peak()``."""
+    return _status_bytes("VmHWM:")
+
+
+def reset_peak() -> None:
+    """Reset the resident-set peak (VmHWM) to the current resident set: what ran before no longer counts."""
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+        f.write("5")
+
+
+def peak_step_bytes(step: Callable[[], object]) -> int:
+    """Bytes the resident set grew to above its level before ``step()`` ran (``step`` may call ``reset_peak()``
+    to leave out what it did before, such as planning: then the peak after it counts)."""
+    before = resident_bytes()
+    reset_peak()
     step()
-    return _status_bytes("VmHWM:") - before
+    return peak_resident_bytes() - before

@@ -162,3 +162,46 @@ def test_host_overhead_quick_mode_measures_the_cuda_path_with_no_op_kernels():
         assert r["hook_us_per_saved"] > 0
     table = bench_host_overhead.comparison_table([rows], [rows])
     assert f"| {rows[0]['config']} | {rows[0]['step_us_per_saved']:.1f} -> {rows[0]['step_us_per_saved']:.1f} |" in table
+
+
+def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_path):
+    """bench_gpu.py --tiny: the GPU benchmark's code path on CPU with tiny models, every model and configuration;
+    without CUDA and without --tiny it measures nothing and exits 2."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch_geometric")
+    import bench_gpu
+    import torch
+
+    if not torch.cuda.is_available():
+        assert bench_gpu.main([]) == bench_gpu.NO_CUDA_EXIT == 2
+    out = tmp_path / "gpu.md"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny", "--repeats", "2",
+                             "--warmup", "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table, rows = out.read_text(), json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert table.startswith("# GPU training steps: CPU (--tiny)") and "| model | batch | config | ratio |" in table
+    assert table.count("\n| ") == len(rows) + 1  # the header and one line per row
+    by_model = {}
+    for r in rows:
+        assert "error" not in r, r
+        by_model.setdefault(r["model"], {})[r["config"]] = r
+    assert len(by_model) == 4
+    for model, configs in by_model.items():
+        expected = set(bench_gpu.METHODS) - (set() if model.startswith("BERT") else {"CB2"})
+        assert set(configs) == expected, model
+        base = configs["baseline"]
+        assert base["ratio"] == base["peak_reduction"] == base["time_ratio"] == 1.0
+        assert base["stored_mib"] > 0 and base["max_batch"] > base["size"] and base["max_batch_ratio"] == 1.0
+        for name, r in configs.items():
+            assert _positive(r["peak_mib"]) and _positive(r["step_ms"]) and _positive(r["time_ratio"])
+            assert _positive(r["peak_reduction"]) and _positive(r["max_batch"]), (model, name)
+            if bench_gpu.METHODS[name].config is not None or bench_gpu.METHODS[name].budget:
+                assert r["ratio"] > 1 and r["stored_mib"] < base["stored_mib"], (model, name)
+            elif name != "baseline":
+                assert r.get("ratio") is None  # the peers store nothing compressed
+        assert configs["2-bit"]["ratio"] > configs["4-bit"]["ratio"]
+        assert configs["L1"]["allocated"][0] > 0  # the auto-precision allocation applied to saved tensors
+        budget = configs["memory budget"]
+        assert budget["budget_mib"] == pytest.approx(configs["torch checkpoint"]["peak_mib"])
+        if budget["plan_met"]:  # else the planner warned that even its most aggressive plan does not fit
+            assert budget["peak_mib"] <= 1.1 * budget["budget_mib"]  # met within 10%

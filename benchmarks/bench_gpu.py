@@ -1,0 +1,593 @@
+"""GPU training steps with compressed activations, next to torch's own ways to save activation memory.
+
+One command, on a machine with CUDA, writes ``benchmarks/results/gpu.md`` (and ``gpu.json``):
+
+    python benchmarks/bench_gpu.py [--models resnet50 resnet50-cl bert-base gcn [gcn-csr]] [--configs ...]
+                                   [--repeats 5] [--memory-budget checkpoint|6GiB] [--out benchmarks/results/gpu.md]
+    python benchmarks/bench_gpu.py --tiny      # the same code path on CPU with tiny models (the test mode)
+
+Models (random weights and batches, nothing downloaded): ResNet-50 (``lightning_act.models.resnet50``) at 128 x
+224², contiguous and ``channels_last``; BERT-base (``transformers.BertConfig()``'s defaults) at 32 x 512; a GCN
+(``lightning_act.models.gnn``, hidden 256) on a 400k-node random graph with 8M edges by ``edge_index``, and on
+request (``gcn-csr``) over a sparse CSR adjacency (``lightning_act.datasets.adjacency``). Every step: bf16
+autocast, forward + backward + AdamW. ``--tiny``: a ResNet-8, a 2-layer BERT, a GCN on 2,000 nodes, one torch
+thread.
+
+Configurations (``METHODS``): the baseline; ``ACTConfig`` L1 (auto-precision, one full round first), fixed 4 and
+2 bits, ``division``, ``lorenzo`` (eb 1e-2), CB1 (4-bit compressed checkpointing: HF layers through the config,
+other models' blocks through ``lightning_act.checkpoint``), CB2 (CB1 + chunked attention, HF only); the peers
+torch checkpointing (``gradient_checkpointing_enable()`` for HF, ``torch.utils.checkpoint`` per block otherwise)
+and ``torch.autograd.graph.save_on_cpu``; the memory-budget mode (``ACTConfig(memory_budget=...)``, planned by
+``lightning_act.adapt.memory_budget.MemoryBudget``) at torch checkpointing's peak unless ``--memory-budget`` says.
+
+Figures per row:
+
+- peak ÷: the baseline's step peak over the configuration's; a step's peak is ``torch.cuda.max_memory_allocated``
+  over the step minus what was allocated before it (``lightning_act.profiling.measure_step_memory``; on CPU the
+  profiler's allocator events), gradients freed before the step.
+- time ×: median step time (5 steps after 2 warm-up steps, each CUDA-synchronised) over the baseline's.
+- ratio: ``compressor.stats().ratio`` (saved / stored activation bytes); the baseline's is 1 by definition.
+- max batch: the peak measured at the batch and at half of it, a line through the two, and the batch at which it
+  reaches the capacity: the device's memory a step can use (free + torch's reserved - allocated before the step;
+  ``--capacity-mib`` fixes it). The memory-budget row's line goes through its most aggressive plan's peaks (what
+  the mode reaches at the capacity).
+
+Without CUDA and without ``--tiny`` it prints why and exits with status 2 (``NO_CUDA_EXIT``): nothing was measured
+and no table written, which a script must not mistake for a result (0 would), and 2 is the status of a command
+used where it cannot run (argparse's usage errors). A configuration that fails is reported in its row and the
+command exits with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import importlib.metadata
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+import lightning_act as act
+from lightning_act.adapt import AutoPrecision
+from lightning_act.adapt.memory_budget import MemoryBudget, budget_units
+from lightning_act.checkpoint import checkpoint as compressed_checkpoint
+from lightning_act.models import gnn, resnet8, resnet50
+from lightning_act.profiling import measure_step_memory
+from models import publish
+
+HERE = Path(__file__).resolve().parent
+MiB = 2**20
+NO_CUDA_EXIT = 2
+
+
+# ---- configurations -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Method:
+    """One configuration: a compressor config and/or a peer technique.
+
+    ``checkpoint``: per block, ``"torch"`` (HF ``gradient_checkpointing_enable()``, else ``torch.utils.checkpoint``)
+    or ``"compressed"`` (``lightning_act.checkpoint``; HF models get it from the config's CB level instead).
+    ``budget``: the memory-budget planner, at the budget the run gives. ``hf_only``: nothing to do outside HF."""
+
+    config: act.ACTConfig | None = None
+    checkpoint: str | None = None
+    save_on_cpu: bool = False
+    budget: bool = False
+    hf_only: bool = False
+
+
+METHODS = {
+    "baseline": Method(),
+    "L1": Method(act.ACTConfig(opt_level="L1")),
+    "4-bit": Method(act.ACTConfig(bits=4, adaptive=False)),
+    "2-bit": Method(act.ACTConfig(bits=2, adaptive=False)),
+    "division": Method(act.ACTConfig(codec="division")),
+    "lorenzo eb=1e-2": Method(act.ACTConfig(codec="lorenzo", error_bound=1e-2)),
+    "CB1": Method(act.ACTConfig(opt_level="CB1", adaptive=False), checkpoint="compressed"),
+    "CB2": Method(act.ACTConfig(opt_level="CB2", adaptive=False), hf_only=True),
+    "torch checkpoint": Method(checkpoint="torch"),
+    "save_on_cpu": Method(save_on_cpu=True),
+    "memory budget": Method(budget=True),
+}
+# what the CB levels warn about a model without HF layers: the per-block checkpoint below is what it asks for
+_CB_WITHOUT_HF = r"lightning_act: opt_level='CB[12]' checkpoints HuggingFace layers"
+
+
+def is_hf(model: nn.Module) -> bool:
+    return bool(getattr(model, "supports_gradient_checkpointing", False))
+
+
+def checkpoint_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The blocks a per-block checkpoint wraps: the memory-budget planner's units that hold other modules
+    (ResNet bottlenecks, GNN layers; not the stem's single layers)."""
+    return {name: m for name, m in budget_units(model).items() if any(True for _ in m.children())}
+
+
+def _torch_checkpoint(forward: Callable, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+class Prepared:
+    """``method`` applied to ``model`` until :meth:`close`: the compressor (if any), checkpointed blocks,
+    auto-precision or the budget plan (:meth:`calibrate`), and :meth:`forward_backward` of a loss closure."""
+
+    def __init__(self, method: Method, model: nn.Module, device: torch.device, autocast: bool = True):
+        self.method, self.model, self.device, self.autocast = method, model, device, autocast
+        self.compressor: act.ActivationCompressor | None = None
+        self.auto: AutoPrecision | None = None
+        self.planner: MemoryBudget | None = None
+        self.plan = None
+        self.shortfall: str | None = None  # the planner's warning when the budget cannot be met
+        self._patched: list[nn.Module] = []
+        self._hf_checkpointing = False
+        if method.checkpoint == "torch" and is_hf(model):
+            if hasattr(model, "activation_checkpointing_enable"):  # the name from transformers 5.23
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable({"use_reentrant": False})
+            self._hf_checkpointing = True
+        elif method.checkpoint is not None and not is_hf(model):
+            wrap = _torch_checkpoint if method.checkpoint == "torch" else compressed_checkpoint
+            for block in checkpoint_blocks(model).values():
+                block.forward = functools.partial(wrap, block.forward)
+                self._patched.append(block)
+
+    def calibrate(self, loss_fn: Callable[[], torch.Tensor], budget_bytes: int | None = None,
+                  allocation: dict | None = None) -> None:
+        """Build the compressor and run what it needs before training on this batch: L1's auto-precision round
+        (or load ``allocation``, an ``AutoPrecision.state_dict()``), or the budget plan for ``budget_bytes``."""
+        method = self.method
+        if method.budget:
+            if budget_bytes is None:
+                raise ValueError("the memory-budget configuration needs a budget")
+            config = act.ACTConfig(memory_budget=budget_bytes)
+        else:
+            config = method.config
+        if config is None:
+            return
+        self.compressor = act.ActivationCompressor(self.model, config)
+        step = functools.partial(self.forward_backward, loss_fn)
+        if config.memory_budget is not None:
+            self.planner = MemoryBudget(self.compressor, config.memory_budget)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.plan = self.planner.plan(step)
+            self.shortfall = next((str(w.message) for w in caught if "cannot be met" in str(w.message)), None)
+        elif config.adaptive:
+            self.auto = AutoPrecision(self.compressor)
+            if allocation is None:
+                self.auto.adapt(0, step)
+            else:
+                self.auto.load_state_dict(allocation)
+
+    def forward_backward(self, loss_fn: Callable[[], torch.Tensor]) -> None:
+        with contextlib.ExitStack() as stack:
+            if self.autocast:
+                stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+            if self._patched and self.compressor is not None:
+                stack.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("ignore", message=_CB_WITHOUT_HF)
+            if self.compressor is not None:
+                stack.enter_context(self.compressor.compress())
+            if self.method.save_on_cpu:
+                stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda"))
+            loss = loss_fn()
+        loss.backward()
+
+    def allocation_coverage(self) -> tuple[int, int]:
+        """(allocated tensors the last step saved, tensors it compressed): whether L1's bits applied."""
+        stats = self.compressor.stats()
+        keys = {(a["index"], tuple(a["shape"]), a["dtype"]) for a in self.auto.assignment()}
+        saved = [(r.index, tuple(r.shape), str(r.dtype).removeprefix("torch.")) for r in stats.records
+                 if r.codec == "quantize"]
+        return sum(k in keys for k in saved), len(saved)
+
+    def close(self) -> None:
+        if self.planner is not None:
+            self.planner.remove()
+        if self.auto is not None:
+            self.auto.detach()
+        for block in self._patched:
+            del block.forward
+        self._patched.clear()
+        if self._hf_checkpointing:
+            disable = getattr(self.model, "activation_checkpointing_disable", None)
+            (disable or self.model.gradient_checkpointing_disable)()
+
+
+def carry_allocation(state: dict, from_batch: int, to_batch: int) -> dict:
+    """An ``AutoPrecision.state_dict()`` estimated at ``from_batch`` for the same model at ``to_batch``: the bits
+    stay with each saved tensor (pack order), whose leading dimension scales with the batch."""
+    layout = []
+    for index, shape, dtype in state["layout"]:
+        if shape and shape[0] % from_batch == 0:
+            shape = [shape[0] // from_batch * to_batch, *shape[1:]]
+        layout.append([index, shape, dtype])
+    return {**state, "layout": layout}
+
+
+# ---- workloads ------------------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """A model on ``device`` and ``inputs(size) -> loss closure`` for a batch of ``size`` (nodes for graphs)."""
+
+    name: str
+    model: nn.Module
+    inputs: Callable[[int], Callable[[], torch.Tensor]]
+    size: int
+    unit: str = "batch"
+
+
+def resnet_workload(device, tiny: bool, channels_last: bool) -> Workload:
+    torch.manual_seed(0)
+    side, classes = (32, 10) if tiny else (224, 1000)
+    model = (resnet8(3, classes, width=8) if tiny else resnet50(classes)).to(device)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=layout)
+
+    def inputs(batch):
+        x = torch.randn(batch, 3, side, side, device=device).to(memory_format=layout)
+        y = torch.randint(0, classes, (batch,), device=device)
+        return lambda: nn.functional.cross_entropy(model(x), y)
+
+    name = ("ResNet-8 (w8)" if tiny else "ResNet-50") + (" channels_last" if channels_last else "")
+    return Workload(name, model, inputs, 16 if tiny else 128)
+
+
+def bert_workload(device, tiny: bool) -> Workload:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=256, max_position_embeddings=64) if tiny else BertConfig()
+    model = BertForSequenceClassification(config).to(device).train()
+    seq = 64 if tiny else 512
+
+    def inputs(batch):
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+        labels = torch.randint(0, 2, (batch,), device=device)
+        return lambda: model(input_ids=ids, labels=labels).loss
+
+    return Workload(f"BERT {'2x64' if tiny else 'base'}, seq {seq}", model, inputs, 8 if tiny else 32)
+
+
+def gcn_workload(device, tiny: bool, sparse: bool) -> Workload:
+    from torch_geometric.data import Data
+
+    from lightning_act.datasets import adjacency
+
+    torch.manual_seed(0)
+    features, hidden, classes, degree = (32, 64, 8, 5) if tiny else (128, 256, 16, 20)
+    model = gnn("gcn", features, hidden, classes).to(device).train()
+
+    def inputs(nodes):
+        edges = torch.randint(0, nodes, (2, nodes * degree), device=device)
+        adj = adjacency(Data(edge_index=edges, num_nodes=nodes), "csr" if sparse else "edge_index")
+        x = torch.randn(nodes, features, device=device)
+        y = torch.randint(0, classes, (nodes,), device=device)
+        return lambda: nn.functional.cross_entropy(model(x, adj), y)
+
+    name = f"GCN ({'CSR adjacency' if sparse else 'edge_index'}), degree {degree}"
+    return Workload(name, model, inputs, 2000 if tiny else 400_000, unit="nodes")
+
+
+WORKLOADS = {
+    "resnet50": functools.partial(resnet_workload, channels_last=False),
+    "resnet50-cl": functools.partial(resnet_workload, channels_last=True),
+    "bert-base": bert_workload,
+    "gcn": functools.partial(gcn_workload, sparse=False),
+    "gcn-csr": functools.partial(gcn_workload, sparse=True),
+}
+DEFAULT_MODELS = ("resnet50", "resnet50-cl", "bert-base", "gcn")
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Runner:
+    """Trains ``workload`` under each configuration in turn (same model, one AdamW) and measures it."""
+
+    def __init__(self, workload: Workload, device: torch.device, repeats: int, warmup: int):
+        self.workload, self.device, self.repeats, self.warmup = workload, device, repeats, warmup
+        self.optimizer = torch.optim.AdamW(workload.model.parameters(), lr=1e-4)
+        self.capacity_bytes: int | None = None  # set by run() once the optimizer state exists
+        self.half = max(1, workload.size // 2)
+
+    def step(self, prepared: Prepared, loss_fn) -> None:
+        """One training step, gradients freed first (``measure_step_memory`` asks for that)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        prepared.forward_backward(loss_fn)
+        self.optimizer.step()
+
+    def peak(self, prepared: Prepared, loss_fn) -> int:
+        self.optimizer.zero_grad(set_to_none=True)
+        return measure_step_memory(lambda: (prepared.forward_backward(loss_fn), self.optimizer.step()),
+                                   self.device).peak_bytes
+
+    def held_bytes(self) -> int:
+        """Memory allocated between steps (weights, optimizer state), gradients freed."""
+        self.optimizer.zero_grad(set_to_none=True)
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def measure(self, name: str, method: Method, budget_bytes: int | None = None) -> dict:
+        workload = self.workload
+        row = {"model": workload.name, "size": workload.size, "unit": workload.unit, "config": name}
+        prepared = Prepared(method, workload.model, self.device)
+        try:
+            loss_fn = workload.inputs(workload.size)
+            started = time.perf_counter()
+            prepared.calibrate(loss_fn, budget_bytes)
+            row["calibrate_s"] = time.perf_counter() - started
+            for _ in range(self.warmup):
+                self.step(prepared, loss_fn)
+            seconds = []
+            for _ in range(self.repeats):
+                _synchronize(self.device)
+                started = time.perf_counter()
+                self.step(prepared, loss_fn)
+                _synchronize(self.device)
+                seconds.append(time.perf_counter() - started)
+            row["step_ms"] = 1e3 * statistics.median(seconds)
+            row["peak_mib"] = self.peak(prepared, loss_fn) / MiB
+            if prepared.compressor is not None:
+                stats = prepared.compressor.stats()
+                row["ratio"], row["stored_mib"] = stats.ratio, stats.device_bytes / MiB
+            elif method == METHODS["baseline"]:
+                row["stored_mib"] = self.saved_bytes(loss_fn) / MiB
+            if prepared.auto is not None:
+                row["allocated"] = prepared.allocation_coverage()
+            if prepared.plan is not None:
+                row["budget_mib"] = prepared.plan.budget_bytes / MiB
+                row["plan"] = dict(prepared.plan.options)
+                row["plan_met"] = prepared.shortfall is None
+            del loss_fn
+            row["fit_peaks_mib"] = self.fit_peaks(method, prepared, row["peak_mib"])
+        except Exception as error:  # one failing configuration must not hide the others' numbers
+            traceback.print_exc()
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+        finally:
+            prepared.close()
+            self.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return row
+
+    def saved_bytes(self, loss_fn) -> int:
+        """Bytes the step's saved tensors hold uncompressed, counted by an ``L0`` compressor on one extra step."""
+        counter = Prepared(Method(act.ACTConfig(opt_level="L0")), self.workload.model, self.device)
+        try:
+            counter.calibrate(loss_fn)
+            self.optimizer.zero_grad(set_to_none=True)
+            counter.forward_backward(loss_fn)
+            return counter.compressor.stats().device_bytes
+        finally:
+            counter.close()
+
+    def fit_peaks(self, method: Method, prepared: Prepared, peak_mib: float) -> dict[int, float]:
+        """Step peaks (MiB) at the batch and at half of it, for the max-batch line. L1 carries its allocation to
+        the half batch; the memory-budget row measures its most aggressive plan (budget 1 byte) at both sizes:
+        at the capacity only that plan can fit, so its line is what the mode reaches."""
+        size, half = self.workload.size, self.half
+        if not method.budget:
+            loss_fn = self.workload.inputs(half)
+            if prepared.auto is not None:
+                prepared.auto.load_state_dict(carry_allocation(prepared.auto.state_dict(), size, half))
+            self.step(prepared, loss_fn)  # warm-up at this size
+            return {size: peak_mib, half: self.peak(prepared, loss_fn) / MiB}
+        peaks = {}
+        for batch in (size, half):
+            aggressive = Prepared(method, self.workload.model, self.device)
+            try:
+                loss_fn = self.workload.inputs(batch)
+                aggressive.calibrate(loss_fn, 1)
+                self.step(aggressive, loss_fn)
+                peaks[batch] = self.peak(aggressive, loss_fn) / MiB
+            finally:
+                aggressive.close()
+        return peaks
+
+    def max_batch(self, row: dict) -> float | None:
+        """The batch at which the line through the two measured peaks reaches the capacity."""
+        if self.capacity_bytes is None or "error" in row:
+            return None
+        (b1, p1), (b0, p0) = sorted(row["fit_peaks_mib"].items(), reverse=True)
+        if p1 <= p0:
+            return None
+        return b0 + (self.capacity_bytes / MiB - p0) * (b1 - b0) / (p1 - p0)
+
+
+def capacity(device: torch.device, held: int, fixed_mib: float | None) -> int | None:
+    """Bytes a step can use: ``fixed_mib``, else on CUDA what the driver has free plus torch's cached blocks
+    minus what is allocated (``held``: weights and optimizer state)."""
+    if fixed_mib is not None:
+        return int(fixed_mib * MiB)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - held
+
+
+def run(workload: Workload, configs: list[str], device: torch.device, repeats: int, warmup: int,
+        budget: str, capacity_mib: float | None) -> tuple[list[dict], list[str], dict]:
+    """Rows of one workload, the configurations not run (with why) and facts about the run."""
+    runner = Runner(workload, device, repeats, warmup)
+    rows, not_run = [], []
+    for name in configs:
+        method, budget_bytes = METHODS[name], None
+        if method.hf_only and not is_hf(workload.model):
+            not_run.append(f"{name} on {workload.name}: chunked attention is for HF attention layers (CB1 is the "
+                           "same without it)")
+            continue
+        if method.checkpoint is not None and not is_hf(workload.model) and not checkpoint_blocks(workload.model):
+            not_run.append(f"{name} on {workload.name}: no blocks to checkpoint")
+            continue
+        if method.budget and budget == "checkpoint":
+            reference = next((r for r in rows if r["config"] == "torch checkpoint" and "error" not in r), None)
+            if reference is None:
+                not_run.append(f"{name} on {workload.name}: its budget is torch checkpointing's peak, not measured")
+                continue
+            budget_bytes = int(reference["peak_mib"] * MiB)
+        elif method.budget:
+            budget_bytes = act.ACTConfig(memory_budget=budget).memory_budget
+        print(f"  {workload.name}: {name} ...", flush=True)
+        rows.append(runner.measure(name, method, budget_bytes))
+    # what a step can use: measured now, with the optimizer state allocated and no step running
+    runner.capacity_bytes = capacity(device, runner.held_bytes(), capacity_mib)
+    base = next((r for r in rows if r["config"] == "baseline" and "error" not in r), None)
+    for r in rows:
+        r["max_batch"] = runner.max_batch(r)
+        if "error" in r:
+            continue
+        if r["config"] == "baseline":
+            r["ratio"] = 1.0
+        if base is not None:
+            r["peak_reduction"] = base["peak_mib"] / r["peak_mib"] if r["peak_mib"] > 0 else None
+            r["time_ratio"] = r["step_ms"] / base["step_ms"]
+            if r["max_batch"] is not None and base.get("max_batch"):
+                r["max_batch_ratio"] = r["max_batch"] / base["max_batch"]
+    facts = {"model": workload.name, "capacity_mib": None if runner.capacity_bytes is None else
+             runner.capacity_bytes / MiB, "params_m": sum(p.numel() for p in workload.model.parameters()) / 1e6}
+    return rows, not_run, facts
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict:
+    cupy = "not installed"
+    for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            cupy = f"{dist} {importlib.metadata.version(dist)}"
+            break
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (--tiny)"
+    kernels = device.type == "cuda" and act.cuda.cupy_available()
+    return {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "cupy": cupy,
+            "codecs": "CuPy kernels" if kernels else "pure-torch codecs", "python": sys.version.split()[0]}
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, command: str, args) -> str:
+    lines = [f"# GPU training steps: {env['device']}", "",
+             f"torch {env['torch']} (CUDA {env['cuda']}), {env['cupy']}, lightning_act's {env['codecs']}; "
+             f"bf16 autocast, AdamW; median of {args.repeats} steps after {args.warmup} warm-up steps. "
+             f"Command: `{command}`", "",
+             "peak ÷: the baseline's step peak / the configuration's (step peak: `torch.cuda.max_memory_allocated` "
+             "over forward, backward and optimizer step minus what was allocated before it, gradients freed "
+             "before; `lightning_act.profiling.measure_step_memory`). time ×: median step time / the baseline's. "
+             "ratio: saved / stored activation bytes (`stats().ratio`). max batch: where the line through the peaks "
+             "at the batch and at half of it reaches the capacity below; ×: over the baseline's.", "",
+             "| model | batch | config | ratio | stored MiB | peak MiB | peak ÷ | step ms | time × | max batch | "
+             "max batch × |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['size']} | {r['config']} | failed: {r['error']} | | | | | | | |")
+            continue
+        stored = r.get("stored_mib")
+        lines.append(
+            f"| {r['model']} | {r['size']} | {r['config']} | {_fmt(r.get('ratio'), '.2f', 'x')} | "
+            f"{_fmt(stored, '.1f')} | {r['peak_mib']:.1f} | {_fmt(r.get('peak_reduction'), '.2f')} | "
+            f"{r['step_ms']:.1f} | {_fmt(r.get('time_ratio'), '.2f')} | {_fmt(r.get('max_batch'), '.0f')} | "
+            f"{_fmt(r.get('max_batch_ratio'), '.2f')} |")
+    lines += ["", "Capacity for the max-batch column (memory a step can use besides weights and optimizer state): " +
+              "; ".join(f"{f['model']} {_fmt(f['capacity_mib'], '.0f', ' MiB')} ({f['params_m']:.1f}M parameters)"
+                        for f in facts) + ".", ""]
+    budget = [r for r in rows if r["config"] == "memory budget" and "error" not in r]
+    if budget:
+        lines += ["Memory budget: `ACTConfig(memory_budget=...)` planned by `MemoryBudget(compressor, budget).plan"
+                  "(forward_backward)` at " + ("torch checkpointing's step peak" if args.memory_budget ==
+                                               "checkpoint" else f"`{args.memory_budget}`") + "; plans: " +
+                  "; ".join(f"{r['model']} {r['budget_mib']:.1f} MiB: {_plan_summary(r['plan'])}"
+                            f"{'' if r['plan_met'] else ' (the planner warns that it cannot meet the budget)'}"
+                            for r in budget) +
+                  ". Its max batch comes from its most aggressive plan (budget 1 byte) at both sizes. Its "
+                  "calibration runs the step uncompressed once (the planner's profile).", ""]
+    l1 = [r for r in rows if r.get("allocated")]
+    if l1:
+        lines += ["L1: one auto-precision round at the batch before timing (" + ", ".join(
+            f"{r['model']} {r['calibrate_s']:.0f} s" for r in l1) + "); its allocation is carried to half the batch "
+                  "by pack order.", ""]
+    lines += [f"Not run: {why}." for why in not_run]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _plan_summary(options: dict) -> str:
+    counts = {}
+    for option in options.values():
+        counts[option] = counts.get(option, 0) + 1
+    return ", ".join(f"{n} {o}" for o, n in counts.items())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny models on CPU: the code path, in seconds")
+    parser.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=list(DEFAULT_MODELS),
+                        help="gcn-csr: the GCN over a torch CSR adjacency (not default: torch's CPU CSR product has no "
+                        "bf16 kernel, so --tiny cannot run it)")
+    parser.add_argument("--configs", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--memory-budget", default="checkpoint",
+                        help="the memory-budget row's budget: 'checkpoint' (torch checkpointing's peak) or a size")
+    parser.add_argument("--capacity-mib", type=float, help="memory a step can use, for max batch (default: the "
+                        "GPU's free memory; --tiny: 64)")
+    parser.add_argument("--out", type=Path, help="markdown table (default: benchmarks/results/gpu.md on CUDA, "
+                        "none with --tiny); the JSON rows go beside it")
+    args = parser.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        print(f"bench_gpu.py measures CUDA training steps, and torch {torch.__version__} sees no CUDA device "
+              "(torch.cuda.is_available() is False): nothing was measured and no table was written. On a machine "
+              "with a GPU: pip install -e '.[hf,gnn,cuda13]' (or cuda12, see the README) and run "
+              "python benchmarks/bench_gpu.py. `--tiny` runs the same code path on CPU with tiny models.",
+              file=sys.stderr)
+        return NO_CUDA_EXIT
+    if args.memory_budget != "checkpoint":
+        act.ACTConfig(memory_budget=args.memory_budget)  # validates it now, not after an hour of measuring
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:  # tiny ops: a second OpenMP thread only spins, and on a shared machine slows steps 10-100x
+        torch.set_num_threads(1)
+    capacity_mib = args.capacity_mib if args.capacity_mib is not None else (64.0 if args.tiny else None)
+    if args.out is None and not args.tiny:
+        args.out = HERE / "results" / "gpu.md"
+    configs = list(args.configs)
+    if "memory budget" in configs and args.memory_budget == "checkpoint" and "torch checkpoint" in configs:
+        configs.remove("memory budget")
+        configs.insert(configs.index("torch checkpoint") + 1, "memory budget")
+    rows, not_run, facts = [], [], []
+    for key in args.models:
+        workload = WORKLOADS[key](device, args.tiny)
+        found, skipped, fact = run(workload, configs, device, args.repeats, args.warmup, args.memory_budget,
+                                   capacity_mib)
+        rows += found
+        not_run += skipped
+        facts.append(fact)
+        del workload
+        gc.collect()
+    env = environment(device)
+    command = "python benchmarks/bench_gpu.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
+                                                  if (argv if argv is not None else sys.argv[1:]) else "")
+    text = report(rows, not_run, facts, env, command.strip(), args)
+    publish(text, args.out)
+    if args.out is not None:
+        args.out.with_suffix(".json").write_text(json.dumps(
+            {"environment": env, "command": command, "rows": rows, "not_run": not_run, "facts": facts},
+            indent=1, default=str))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
