@@ -4,8 +4,8 @@
 batch with the compressor (extra forward/backward passes whose gradients, buffers, RNG and step counters are put
 back, as auto-precision's probes are):
 
-1. every saved tensor at 4 bits, then every one kept, then every unit checkpointed: the step's peak
-   (:mod:`lightning_act.profiling`, measured by the allocator), each *unit*'s saved bytes in both forms, its
+1. every saved tensor at 4 bits, then every unit checkpointed: the step's peak (:mod:`lightning_act.profiling`,
+   measured by the allocator), each *unit*'s saved bytes as saved and at 4 bits, its
    input bytes and its forward time. Units are the model's repeated blocks (the children of its longest
    ``nn.ModuleList``/``nn.Sequential``: transformer layers, ResNet bottlenecks) plus ``"(model)"`` for
    everything outside them;
@@ -15,7 +15,7 @@ Every unit then gets one option: ``keep`` (32 bits), ``q8``/``q4``/``q2`` (quant
 its inputs, at 4 bits, and recompute it in backward: CB1 for that unit) or ``swap`` (4 bits in host memory;
 CUDA only). The predicted peak of a plan is the 4-bit profile's peak with each unit's stored bytes replaced by
 what its option stores, plus, when a unit is checkpointed, what recomputing inside the backward costs (measured
-by the third pass); the plan minimises ``time + accuracy_weight * accuracy cost`` (time: quantization,
+by the second pass); the plan minimises ``time + accuracy_weight * accuracy cost`` (time: quantization,
 recompute and copy time; accuracy: GACT's variance ``sum c_l S(b_l)`` with auto-precision's sensitivities ``c_l``
 when it has estimated them, else each unit's saved bytes as its weight) subject to the predicted peak fitting
 the budget, greedily: from all-``keep``, the move that saves the most bytes per unit of cost, until it fits;
@@ -241,35 +241,31 @@ class MemoryBudget:
         return measure_step_memory(forward_backward_fn, device).peak_bytes
 
     def _profile(self, forward_backward_fn, rewind, device) -> tuple[dict[str, UnitProfile], int, int]:
-        """Per-unit bytes and times from one pass at 4 bits and one with everything kept; the base bytes (the
-        4-bit pass's peak minus what its saved tensors stored); the recompute bytes (what a pass with every unit
+        """Per-unit bytes (as saved and at 4 bits) and times from one pass at 4 bits (never an uncompressed pass:
+        the budget may be below its peak); the base bytes (that pass's peak minus what its saved tensors stored);
+        the recompute bytes (what a pass with every unit
         checkpointed peaks at above its base and stored bytes: a recomputed unit's forward runs inside the
         backward, on top of the gradients it holds)."""
         params = [p for p in self.compressor.model.parameters() if p.requires_grad]
         profiles = {name: UnitProfile(name) for name in [*self.units, OUTSIDE]}
         forward_time = _UnitTimer(self.units, device)
-        stored = {}
-        for option in ("q4", "keep"):
-            rewind()
-            with LayerStats(self.compressor.model, self.compressor, lambda m: self.units) as layers, \
-                    self.compressor.install_policy(codec=self._fixed(option)), forward_time:
-                peak = self._measure(forward_backward_fn, params, device)
-            per_layer = layers.per_layer()
-            for name, stats in per_layer.items():
-                unit = profiles[name]
-                masks = sum(r.stored_bytes for r in stats.records if r.kind == COMPRESSED and r.codec != "quantize")
-                if option == "q4":
-                    unit.q4_bytes, unit.mask_bytes = stats.stored_bytes, masks
-                    known = [self.sensitivities[r.index] for r in stats.records if r.index in self.sensitivities]
-                    unit.sensitivity = sum(known) if known else None
-                else:
-                    unit.kept_bytes = stats.stored_bytes
-            stored[option] = (peak, sum(s.stored_bytes for s in per_layer.values()))
+        rewind()
+        with LayerStats(self.compressor.model, self.compressor, lambda m: self.units) as layers, \
+                self.compressor.install_policy(codec=self._fixed("q4")), forward_time:
+            peak = self._measure(forward_backward_fn, params, device)
+        per_layer = layers.per_layer()
+        for name, stats in per_layer.items():
+            unit = profiles[name]
+            masks = [r for r in stats.records if r.kind == COMPRESSED and r.codec != "quantize"]
+            unit.q4_bytes, unit.mask_bytes = stats.stored_bytes, sum(r.stored_bytes for r in masks)
+            # kept: what the values would hold as they are (masks stay masks whatever the option)
+            unit.kept_bytes = stats.original_bytes - sum(r.original_bytes for r in masks) + unit.mask_bytes
+            known = [self.sensitivities[r.index] for r in stats.records if r.index in self.sensitivities]
+            unit.sensitivity = sum(known) if known else None
         for name, seconds in forward_time.seconds.items():
-            profiles[name].forward_seconds = seconds / 2  # two passes
+            profiles[name].forward_seconds = seconds
             profiles[name].input_bytes = forward_time.input_bytes[name]
-        peak, saved = stored["q4"]
-        base = max(peak - saved, 0)
+        base = max(peak - sum(s.stored_bytes for s in per_layer.values()), 0)
         all_checkpointed = {name: "checkpoint" for name in self.units} | {OUTSIDE: "q4"}
         self.apply(all_checkpointed)
         try:
