@@ -160,7 +160,7 @@ def report(memory: list[dict], acc: list[dict], args, command: str) -> str:
              "one unprofiled step on a shared CPU.", ""]
     header = ["layers", "config", "peak MiB", "peak ÷", "saved / stored MiB", "step s"]
     lines += _table(header, [[r["layers"], r["config"], f"{r['peak'] / MiB:.1f}", f"{r['reduction']:.2f}",
-                              "-" if r["stored"] is None else f"{r['stored'] / MiB:.1f}", f"{r['seconds']:.1f}"]
+                              "-" if r["stored"] is None else f"{r['stored'] / MiB:.1f}", f"{r['seconds']:.3g}"]
                              for r in memory])
     shapes = sorted({s for r in memory if r["config"] == "sparse, 4-bit" for s in r["compressed"]})
     lines += ["", f"Saved tensors the 4-bit configuration compresses (shapes): {', '.join(map(str, shapes))}: "

@@ -160,7 +160,7 @@ class _Step:
         self.number = number
         self.noise_base = rng.mix32(number)  # noise key of saved tensor i: noise_base ^ i (default policy)
         # data pointers of storages saved tensors are parameters of; integrations add the weights they
-        # materialise during the forward (lightning_act.integrations.fsdp: FSDP's all-gathered parameters)
+        # materialise during the forward (lightning_act.fsdp: FSDP's all-gathered parameters)
         self.param_storages = param_storages
         self.records: list[TensorRecord] = [] if records is None else records
         self.phase = phase

@@ -8,7 +8,7 @@
   (all checkpointable layers at CB1/CB2), with a warning when the level asks for checkpointing and the model
   has no such layer;
 * CB2: chunked self-attention in HuggingFace models during each forward;
-* FSDP2: the all-gathered weights count as parameters (``lightning_act.integrations.fsdp``).
+* FSDP2: the all-gathered weights count as parameters (``lightning_act.fsdp``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 
 from .checkpoint import use_compressed_checkpointing
 from .engine import ActivationCompressor, register_model_preparation
-from .integrations.fsdp import FSDPParameters
+from .fsdp import FSDPParameters
 from .nn.attention import use_chunked_attention
 from .nn.blpa import convert_bn_relu
 

@@ -4,7 +4,7 @@ The compressor's context only has to cover the forward: each saved tensor carrie
 backward, so wrapping ``Strategy.training_step`` is enough for automatic optimisation (backward outside) and
 manual optimisation (backward inside). DDP is composed by subclassing, so its ``pre_backward`` /
 ``post_backward`` and gradient all-reduce run unchanged; so is FSDP2 (Lightning's ``ModelParallelStrategy``), whose
-all-gathered weights the engine passes through as parameters (``lightning_act.integrations.fsdp``).
+all-gathered weights the engine passes through as parameters (``lightning_act.fsdp``).
 
 The strategies are built for ``lightning.pytorch`` and, when installed, for the standalone
 ``pytorch_lightning`` package: the two have separate class hierarchies and registries.
@@ -20,7 +20,7 @@ import torch
 
 from .config import ACTConfig, resolve_config
 from .engine import ActivationCompressor
-from .integrations.fsdp import fsdp_modules, shard_blocks
+from .fsdp import fsdp_modules, shard_blocks
 
 STRATEGY_NAMES = ("act", "act_ddp", "act_ddp_spawn", "act_fsdp")
 
@@ -111,7 +111,7 @@ def _build(pl_name: str) -> tuple[type, type]:
 
         When ``configure_model`` applied no ``fully_shard`` (or there is none), the strategy shards the model
         itself: each block of every ``nn.ModuleList`` (transformer layers), then each child of the LightningModule
-        that holds parameters (:func:`lightning_act.integrations.fsdp.shard_blocks`). Parameters stay sharded
+        that holds parameters (:func:`lightning_act.fsdp.shard_blocks`). Parameters stay sharded
         between steps; activations are compressed as in ``"act"``, the all-gathered weights pass through exactly.
         """
 

@@ -15,7 +15,7 @@ report to TensorBoard under ``--logdir`` (the compressed run's ``act/`` scalars 
 
 ``--strategy act_fsdp`` trains with Lightning and FSDP2 instead, on ``--devices`` CPU processes (gloo): the
 baseline with Lightning's ``ModelParallelStrategy``, the compressed run with ``strategy="act_fsdp"``, both
-sharding each encoder layer and then the rest of the model (``lightning_act.integrations.fsdp.shard_blocks``).
+sharding each encoder layer and then the rest of the model (``lightning_act.fsdp.shard_blocks``).
 Lightning starts the other ranks by re-running this command; rank 0 prints the summary (its ``act/`` scalars
 in TensorBoard come from ``CompressionMonitor``, untagged ``train/``).
 """
@@ -33,7 +33,7 @@ import transformers
 import lightning_act as act
 from lightning_act.datasets import ROTTEN_TOMATOES_LABELS, minilm_model_dir, rotten_tomatoes
 from lightning_act.integrations import ACTTrainer, checkpointing_args
-from lightning_act.integrations.fsdp import fsdp_modules, shard_blocks
+from lightning_act.fsdp import fsdp_modules, shard_blocks
 from lightning_act.reporting import RunResult, StepClock, summary_table
 from lightning_act.reporting import StepTimer as LightningStepTimer
 

@@ -26,7 +26,7 @@ WORKER = textwrap.dedent('''
     from torch import nn
     import lightning_act as act
     from lightning_act.checkpoint import checkpoint
-    from lightning_act.integrations.fsdp import shard_blocks
+    from lightning_act.fsdp import shard_blocks
 
     OUT = sys.argv[1]
     ARGS = dict(accelerator="cpu", devices=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -244,7 +244,7 @@ def test_registered_and_built_on_model_parallel():
 def test_shard_blocks_refuses_parameters_held_by_the_module_itself():
     from torch import nn
 
-    from lightning_act.integrations.fsdp import shard_blocks
+    from lightning_act.fsdp import shard_blocks
 
     module = nn.Module()
     module.scale = nn.Parameter(torch.ones(1))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import ActivationCompressor
+from .engine import ActivationCompressor
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
