@@ -10,10 +10,19 @@ from torch import nn
 import lightning_act as act
 from lightning_act.formats import division as division_format
 from lightning_act.formats import quantize as quantize_format
-from lightning_act.formats.division import low_frequency_copy, planes_and_spatial, upsample_nearest
+from lightning_act.formats.division import (
+    low_frequency_copy,
+    planes_and_spatial,
+    upsample_nearest,
+)
 from lightning_act.models import resnet50
 from lightning_act.stats import COMPRESSED
-from tests.cuda_emulation.nan_payloads import GROUPS, INT_VIEW, assert_nans_canonical, nan_payload_groups
+from tests.cuda_emulation.checks import assert_same_bits
+from tests.cuda_emulation.nan_payloads import (
+    GROUPS,
+    assert_nans_canonical,
+    nan_payload_groups,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 SHAPES = [(2, 3, 17, 9), (2, 3, 16, 16), (2, 3, 7, 7), (1,), (), (5,), (4, 33), (3, 4, 10), (2, 2, 9, 9, 9),
@@ -223,13 +232,6 @@ def test_resnet50_activation_ratio_meets_the_papers_estimate():
     assert original / stored >= 10
 
 
-def _same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return False
-    if actual.is_floating_point():
-        return torch.equal(actual.view(INT_VIEW[actual.dtype]), expected.view(INT_VIEW[expected.dtype]))
-    return torch.equal(actual, expected)
-
 
 def _planes(shape, dtype):
     torch.manual_seed(4)
@@ -252,7 +254,8 @@ def test_fast_path_is_the_specification_bit_for_bit(dtype, bits, chunk, monkeypa
         for name, x in inputs.items():
             expected = division_format.division_encode_spec(x, block, bits, 2, 7)
             stored = division_format.division_encode_reference(x, block, bits, 2, 7)
-            assert all(_same_bits(a, e) for a, e in zip(stored, expected)), (name, block)
+            for a, e in zip(stored, expected):
+                assert_same_bits(a, e)
             args = (*expected, x.shape[0], tuple(x.shape[1:]), block, bits, dtype)
             decoded = division_format.division_decode_reference(*args)
-            assert _same_bits(decoded, division_format.division_decode_spec(*args)), (name, block)
+            assert_same_bits(decoded, division_format.division_decode_spec(*args))

@@ -9,7 +9,12 @@ import lightning_act as act
 from lightning_act import rng
 from lightning_act.formats import quantize as quantize_format
 from lightning_act.formats._bitpack import pack_codes, unpack_codes
-from tests.cuda_emulation.nan_payloads import INT_VIEW, assert_nans_canonical, nan_payload_groups
+from tests.cuda_emulation.checks import assert_same_bits
+from tests.cuda_emulation.nan_payloads import (
+    INT_VIEW,
+    assert_nans_canonical,
+    nan_payload_groups,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 PACKED_BITS = [1, 2, 4, 8]
@@ -235,13 +240,6 @@ def test_bit_packing_layout_and_round_trip(bits, n):
     assert torch.equal(unpack_codes(packed, bits, n), codes)
 
 
-def _same_bits(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return False
-    if actual.is_floating_point():
-        return torch.equal(actual.view(INT_VIEW[actual.dtype]), expected.view(INT_VIEW[expected.dtype]))
-    return torch.equal(actual, expected)
-
 
 def _fast_path_inputs(dtype: torch.dtype, group_size: int) -> dict:
     torch.manual_seed(3)
@@ -264,9 +262,10 @@ def test_fast_path_is_the_specification_bit_for_bit(bits, dtype, stats_dtype, gr
     for name, x in _fast_path_inputs(dtype, group_size).items():
         expected = quantize_format.quantize_spec(x, bits, group_size, stats_dtype, 5, 11)
         stored = quantize_format.quantize_reference(x, bits, group_size, stats_dtype, 5, 11)
-        assert all(_same_bits(a, e) for a, e in zip(stored, expected)), name
+        for a, e in zip(stored, expected):
+            assert_same_bits(a, e)
         args = (*expected, x.numel(), bits, group_size, dtype)
-        assert _same_bits(quantize_format.dequantize_reference(*args), quantize_format.dequantize_spec(*args)), name
+        assert_same_bits(quantize_format.dequantize_reference(*args), quantize_format.dequantize_spec(*args))
 
 
 def test_fast_path_allocates_its_output_and_chunk_sized_buffers_only():
