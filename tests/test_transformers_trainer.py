@@ -156,3 +156,14 @@ def test_unknown_error_bound_option_is_rejected(tmp_path):
         _trainer(tmp_path, act_error_bound={"intervl": 2})
     with pytest.raises(TypeError, match="act_error_bound=1"):
         _trainer(tmp_path, act_error_bound=1)
+
+
+def test_memory_budget_plans_on_the_first_step_and_is_undone_after_training(tmp_path):
+    trainer = _trainer(tmp_path, act_config=act.ACTConfig(bits=4, memory_budget="64MiB"))
+    trainer.train()
+    planner = trainer.memory_budget
+    plan = planner.last_plan
+    assert plan is not None and plan.fits and plan.measured_peak_bytes <= 64 * 2**20
+    assert set(plan.options) == {*planner.units, "(model)"} and "bert.encoder.layer.0" in plan.options
+    assert trainer.compressor.codec_policy is None  # removed when train() ended
+    assert _act_logs(trainer)[-1]["act/compression_ratio"] >= 1.0

@@ -21,14 +21,18 @@ With an ``adaptive`` config (GACT's L1 and up, the default) the trainer runs aut
 optimizer step it re-estimates sensitivities on that micro-batch (extra forward/backward passes whose gradients,
 buffers and RNG are restored) and re-allocates bits. ``act_error_bound=True`` (or a dict of
 :class:`~lightning_act.adapt.error_bound.ErrorBoundController` options) adapts the ``lorenzo`` bounds of weight
-layers' inputs from the optimizer's momentum (Jin et al.), refreshed after optimizer steps.
+layers' inputs from the optimizer's momentum (Jin et al.), refreshed after optimizer steps. With
+``ACTConfig(memory_budget=...)`` the first training step's micro-batch is profiled and the memory-budget plan
+(:mod:`lightning_act.adapt.memory_budget`) holds for the run; its table goes to the log. Under DDP each rank plans
+for itself.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import inspect
-from typing import Any
+import logging
+from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -36,6 +40,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..adapt.auto_precision import AutoPrecision
 from ..adapt.error_bound import ErrorBoundController
+from ..adapt.memory_budget import MemoryBudget
 from ..config import ACTConfig, resolve_config
 from ..engine import ActivationCompressor
 from ..metrics import step_metrics
@@ -104,7 +109,8 @@ class ACTTrainerMixin:
     Takes ``act_config=`` (``ACTConfig``, level name or dict; ``adaptive`` configs run auto-precision),
     ``act_logging=True`` (add a :class:`CompressionCallback`, or move the one given in ``callbacks`` first) and
     ``act_error_bound=False`` (``True`` or a dict of ``ErrorBoundController`` options: adaptive ``lorenzo``
-    bounds). ``auto_precision`` and ``error_bound_controller`` expose the adaptation state.
+    bounds). ``auto_precision``, ``error_bound_controller`` and ``memory_budget`` (the planner, once the first
+    step has planned) expose the adaptation state.
     """
 
     def __init__(self, *args: Any, act_config: ACTConfig | str | dict | None = None, act_logging: bool = True,
@@ -114,6 +120,7 @@ class ACTTrainerMixin:
         self.act_config = resolve_config(act_config)
         self.auto_precision = AutoPrecision() if self.act_config.adaptive else None
         self.error_bound_controller: ErrorBoundController | None = None
+        self.memory_budget: MemoryBudget | None = None
         self._compressor: ActivationCompressor | None = None
         self.callback_handler.add_callback(_AdaptationCallback(self))
         handler = self.callback_handler
@@ -138,26 +145,45 @@ class ACTTrainerMixin:
     def train(self, *args: Any, **kwargs: Any):
         try:
             return super().train(*args, **kwargs)
-        finally:  # the controller's module hooks go, also when training raises
+        finally:  # the controllers' module hooks go, also when training raises
             if self.error_bound_controller is not None:
                 self.error_bound_controller.detach()
+            if self.memory_budget is not None:
+                self.memory_budget.remove()
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         if self.auto_precision is not None:
             self._maybe_adapt(model, inputs, num_items_in_batch)
+        if self.act_config.memory_budget is not None:
+            self._maybe_plan(model, inputs, num_items_in_batch)
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def _maybe_adapt(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch) -> None:
-        _ = self.compressor  # (re)attaches auto-precision to the current model's compressor
-        self.auto_precision.ddp_model = model if isinstance(model, DistributedDataParallel) else None
-
+    def _replayed_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch) -> Callable[[], None]:
         def forward_backward() -> None:  # prepares inputs only on the steps that probe
             model.train()
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, self._prepare_inputs(inputs), num_items_in_batch=num_items_in_batch)
             loss.backward()
 
-        self.auto_precision.maybe_adapt(self.state.global_step, forward_backward)
+        return forward_backward
+
+    def _maybe_adapt(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch) -> None:
+        _ = self.compressor  # (re)attaches auto-precision to the current model's compressor
+        self.auto_precision.ddp_model = model if isinstance(model, DistributedDataParallel) else None
+        self.auto_precision.maybe_adapt(self.state.global_step,
+                                        self._replayed_step(model, inputs, num_items_in_batch))
+
+    def _maybe_plan(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch) -> None:
+        compressor = self.compressor
+        if self.memory_budget is not None and self.memory_budget.compressor is compressor:
+            return
+        if self.memory_budget is not None:
+            self.memory_budget.remove()
+        sensitivities = ({a["index"]: a["sensitivity"] for a in self.auto_precision.assignment()}
+                         if self.auto_precision is not None else None)
+        self.memory_budget = MemoryBudget(compressor, self.act_config.memory_budget, sensitivities=sensitivities)
+        plan = self.memory_budget.plan(self._replayed_step(model, inputs, num_items_in_batch))
+        logging.getLogger(__name__).info("lightning_act memory-budget plan:\n%s", plan.table())
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         stack = super().compute_loss_context_manager()
