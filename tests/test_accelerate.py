@@ -185,3 +185,11 @@ def test_integrations_import_is_lazy_and_names_the_install_command(monkeypatch):
         integrations.require("pyg")
     with pytest.raises(AttributeError, match="has no attribute 'Nope'; available: ACTTrainer"):
         integrations.Nope
+
+
+def test_compress_forward_says_a_memory_budget_needs_the_planner():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"memory_budget=1048576 needs a planning step.*MemoryBudget\(compressor"):
+        compressor = compress_forward(model, act.ACTConfig(memory_budget="1MiB"))
+    assert compressor.config.memory_budget == 1 << 20
+    unpatch(model)

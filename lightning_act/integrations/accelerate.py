@@ -21,6 +21,7 @@ wrapper calls the patched forward of the module it wraps).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -51,6 +52,12 @@ def compress_forward(model: nn.Module, config: ACTConfig | str | dict | Activati
     if _COMPRESSOR_ATTR in module.__dict__:
         raise ValueError(f"{type(module).__name__} is already patched by compress_forward; call unpatch(model) first")
     compressor = config if isinstance(config, ActivationCompressor) else ActivationCompressor(module, config)
+    if compressor.config.memory_budget is not None:
+        warnings.warn(
+            f"lightning_act: memory_budget={compressor.config.memory_budget} needs a planning step, which "
+            "compress_forward does not run; call lightning_act.adapt.memory_budget.MemoryBudget(compressor, "
+            "budget).plan(forward_backward_fn) once before training (compressor = compress_forward(...))",
+            stacklevel=2)
     if "forward" in module.__dict__:
         setattr(module, _ORIGINAL_ATTR, module.__dict__["forward"])
     inner_forward = module.forward
