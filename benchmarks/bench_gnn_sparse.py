@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 import lightning_act as act
 from lightning_act.adapt import AutoPrecision
 from lightning_act.datasets import adjacency, synthetic_sbm
-from lightning_act.models import gnn
+from lightning_act.models import gnn, node_classification_step
 from lightning_act.profiling import measure_step_memory
 from lightning_act.stats import COMPRESSED
 from models import machine, publish
@@ -129,13 +129,7 @@ def accuracy(seeds, epochs: int) -> list[dict]:
                 optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
                 compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False, min_numel=256))
                 for _ in range(epochs):
-                    model.train()
-                    optimizer.zero_grad()
-                    with compressor.compress() if compress else contextlib.nullcontext():
-                        out = model(data.x, adj)
-                        loss = nn.functional.cross_entropy(out[data.train_mask], data.y[data.train_mask])
-                    loss.backward()
-                    optimizer.step()
+                    node_classification_step(model, data, adj, optimizer, compressor if compress else None)
                 model.eval()
                 with torch.no_grad():
                     predicted = model(data.x, adj).argmax(1)

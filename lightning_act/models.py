@@ -10,6 +10,7 @@ torch build): what the recipes, the benchmarks, the tests and users comparing wi
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import lightning as L
@@ -191,3 +192,17 @@ def gnn(kind: str, in_dim: int, hidden: int, classes: int, layers: int | None = 
     if kind == "gcnii":
         return GCNII(in_dim, hidden, classes, layers or 8, cached=cached)
     return StackedGNN(kind, in_dim, hidden, classes, layers or 2, cached=cached)
+
+
+def node_classification_step(model: nn.Module, data, adj, optimizer: torch.optim.Optimizer,
+                             compressor=None) -> torch.Tensor:
+    """One full-batch training step of a node classifier on ``data``'s training nodes, under ``compressor``
+    (an ``ActivationCompressor``) when given; returns the loss."""
+    model.train()
+    optimizer.zero_grad()
+    with compressor.compress() if compressor is not None else contextlib.nullcontext():
+        out = model(data.x, adj)
+        loss = nn.functional.cross_entropy(out[data.train_mask], data.y[data.train_mask])
+    loss.backward()
+    optimizer.step()
+    return loss

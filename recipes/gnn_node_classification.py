@@ -19,17 +19,15 @@ ratio) and the compressed run's statistics per layer; writes TensorBoard logs un
 from __future__ import annotations
 
 import argparse
-import contextlib
 from pathlib import Path
 
 import torch
-from torch import nn
 
 import lightning_act as act
 from lightning_act.datasets import adjacency, drosophila, karate_club, synthetic_sbm
 from lightning_act.integrations import LayerStats
 from lightning_act.metrics import write_stats
-from lightning_act.models import GNN_MODELS, gnn
+from lightning_act.models import GNN_MODELS, gnn, node_classification_step
 from lightning_act.reporting import RunResult, StepClock, summary_table
 
 OFFLINE_DATASETS = ("karate", "synthetic", "drosophila")
@@ -79,14 +77,8 @@ def train(args, data, kind: str, compress: bool, writer=None) -> tuple[RunResult
     clock = StepClock()
     with LayerStats(model, compressor) as layers:
         for epoch in range(args.epochs):
-            model.train()
             with clock:
-                optimizer.zero_grad()
-                with compressor.compress() if compress else contextlib.nullcontext():
-                    out = model(data.x, adj)
-                    loss = nn.functional.cross_entropy(out[data.train_mask], data.y[data.train_mask])
-                loss.backward()
-                optimizer.step()
+                loss = node_classification_step(model, data, adj, optimizer, compressor if compress else None)
             if writer is not None:
                 writer.add_scalar("train/loss", loss.item(), epoch)
                 if compress:

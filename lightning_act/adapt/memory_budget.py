@@ -189,7 +189,8 @@ class MemoryBudget:
                              "nn.Sequential of two or more blocks); pass units=lambda model: {name: module, ...}")
         self.sensitivities = dict(sensitivities or {})
         self.last_plan: BudgetPlan | None = None
-        self._options: dict[str, str] = {}
+        self._unit_codecs: dict[str, Codec] = {}  # the codec of each unit's option, built when a plan is applied
+        self._keep_codec = self._option_codec("keep")
         self._running: list[str] = []
         self._handles: list = []
         self._patched: dict[str, Any] = {}
@@ -277,7 +278,7 @@ class MemoryBudget:
         return profiles, base, max(peak - base - stored_checkpointed, 0)
 
     def _fixed(self, option: str) -> Callable[[int, torch.Tensor], Codec | None]:
-        codec = self.compressor.codec("quantize", QUANTIZE_BITS[option])
+        codec = self._option_codec(option)
         return lambda index, t: codec if t.is_floating_point() else None
 
     def _solve(self, profiles, base, recompute, target, byte_seconds, swap_seconds, device) -> BudgetPlan:
@@ -337,7 +338,7 @@ class MemoryBudget:
     def apply(self, options: dict[str, str]) -> None:
         """Put ``options`` (unit name -> option, e.g. another rank's plan) in force, replacing what was."""
         self.remove()
-        self._options = dict(options)
+        self._unit_codecs = {name: self._option_codec(option) for name, option in options.items()}
         for name, module in self.units.items():
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
             self._handles.append(module.register_forward_hook(functools.partial(self._exit, name), always_call=True))
@@ -370,15 +371,18 @@ class MemoryBudget:
         if self._running and self._running[-1] == name:
             self._running.pop()
 
-    def _codec_for(self, index: int, t: torch.Tensor) -> Codec | None:
-        """The engine's codec policy: the running unit's option (outside every unit, ``"(model)"``'s)."""
-        if not t.is_floating_point():
-            return None
-        option = self._options.get(self._running[-1] if self._running else OUTSIDE, "keep")
+    def _option_codec(self, option: str) -> Codec:
         if option in QUANTIZE_BITS:
             return self.compressor.codec("quantize", QUANTIZE_BITS[option])
         inner = self.compressor.codec("quantize", CHECKPOINT_BITS)
         return HostSwapCodec(inner) if option == "swap" else inner
+
+    def _codec_for(self, index: int, t: torch.Tensor) -> Codec | None:
+        """The engine's codec policy (every saved tensor): the running unit's codec (outside every unit,
+        ``"(model)"``'s; a unit the plan does not name keeps its tensors)."""
+        if not t.is_floating_point():
+            return None
+        return self._unit_codecs.get(self._running[-1] if self._running else OUTSIDE) or self._keep_codec
 
     def metrics(self) -> dict[str, float]:
         """``act/budget/...`` scalars of the last plan (bytes, and each unit's bits; checkpoint = -1, swap = -2)."""
