@@ -212,3 +212,14 @@ def test_max_pool_spellings_store_packed_indices_with_exact_gradients(call):
 def test_masks_off_leaves_indices_and_relu_outputs_to_the_default_policy():
     _, stats = _train_step(False, torch.randn(4, 1, 32, 32))
     assert not {"positive_mask", "maxpool_index", "scaled_mask"} & {r.codec for r in stats.records}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [2.5, -2.5])  # a negative value is not the maximum: the fallback finds it
+def test_scaled_mask_of_channels_last_noise_and_of_a_negative_value(dtype, scale):
+    torch.manual_seed(0)
+    noise = (torch.rand(2, 3, 4, 5, dtype=dtype) < 0.6).to(dtype).mul_(scale)
+    noise = noise.contiguous(memory_format=torch.channels_last)
+    codec = act.codecs.get("scaled_mask")
+    decoded = codec.decode(codec.encode(noise))
+    assert torch.equal(decoded, noise) and decoded.dtype == dtype
