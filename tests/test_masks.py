@@ -8,6 +8,7 @@ from torch import nn
 
 import lightning_act as act
 from lightning_act.codecs import op_rules
+from lightning_act.formats._bitpack import pack_bits, pack_codes, unpack_bits, unpack_codes
 from lightning_act.stats import COMPRESSED
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -34,15 +35,16 @@ def test_positive_mask_of_a_non_contiguous_tensor():
     assert torch.equal(codec.decode(codec.encode(x)), (x > 0).float())
 
 
+@pytest.mark.parametrize("check", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_scaled_mask_stores_dropout_noise_exactly(shape, p, dtype):
+def test_scaled_mask_stores_dropout_noise_exactly(shape, p, dtype, check):
     torch.manual_seed(0)
     noise = torch.empty(shape, dtype=dtype).bernoulli_(1 - p)
     if p < 1:
         noise.div_(1 - p)
-    codec = act.codecs.get("scaled_mask")
+    codec = act.codecs.get("scaled_mask", check=check)
     packed = codec.encode(noise)
     assert torch.equal(codec.decode(packed), noise)
     assert packed.nbytes == math.ceil(noise.numel() / 8) + noise.element_size()
@@ -57,6 +59,27 @@ def test_scaled_mask_of_an_empty_tensor():
 def test_scaled_mask_refuses_several_values():
     with pytest.raises(ValueError, match=r"non-zero elements all equal one value; got a tensor of shape \[3\]"):
         act.codecs.get("scaled_mask").encode(torch.tensor([0.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match=r"check='no'; expected True or False"):
+        act.codecs.get("scaled_mask", check="no")
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 64, 1001])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_pack_bits_matches_pack_codes(numel, offset):
+    """The word-arithmetic 1-bit packing the mask codecs use stores pack_codes' layout, from any storage offset."""
+    torch.manual_seed(numel)
+    flags = (torch.rand(numel + offset) > 0.5)[offset:]
+    packed = pack_bits(flags)
+    assert torch.equal(packed, pack_codes(flags.view(torch.uint8).contiguous(), 1))
+    assert torch.equal(unpack_bits(packed, numel), flags)
+    assert unpack_bits(packed, numel).dtype == torch.bool
+
+
+def test_pack_bits_covers_every_byte():
+    every_byte = torch.arange(256, dtype=torch.uint8)
+    flags = unpack_codes(every_byte, 1, 2048)
+    assert torch.equal(pack_bits(flags), every_byte)
+    assert torch.equal(unpack_bits(every_byte, 2048).view(torch.uint8), flags)
 
 
 @pytest.mark.parametrize("name", ["positive_mask", "scaled_mask"])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats._bitpack import pack_codes, unpack_codes
+from ..formats._bitpack import pack_bits, unpack_bits
 from . import register, register_dtype_codec
 from .base import Codec, Packed
 
@@ -17,12 +17,11 @@ class BitmaskCodec(Codec):
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         if x.dtype != torch.bool:
             raise ValueError(f"bitmask codec takes bool tensors; got dtype={x.dtype}")
-        bits = pack_codes(x.reshape(-1).view(torch.uint8), 1)
+        bits = pack_bits(x.reshape(-1))
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits})
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        codes = unpack_codes(packed.buffers["bits"], 1, packed.numel)
-        return codes.view(torch.bool).view(packed.shape)
+        return unpack_bits(packed.buffers["bits"], packed.numel).view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return 1.0

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..formats._bitpack import pack_codes, packed_nbytes, unpack_codes
+from ..formats._bitpack import pack_bits, packed_nbytes, unpack_bits
 from . import op_rules, register
 from .base import Codec, Packed
 
@@ -50,11 +50,11 @@ class PositiveMaskCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
-        bits = pack_codes((x > 0).reshape(-1).view(torch.uint8), 1)
+        bits = pack_bits((x > 0).reshape(-1))
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits})
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        return unpack_codes(packed.buffers["bits"], 1, packed.numel).to(packed.dtype).view(packed.shape)
+        return unpack_bits(packed.buffers["bits"], packed.numel).to(packed.dtype).view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return 1.0
@@ -62,11 +62,22 @@ class PositiveMaskCodec(Codec):
 
 @register
 class ScaledMaskCodec(Codec):
-    """A tensor whose non-zero elements all equal one value (dropout noise) as 1 bit per element + that value."""
+    """A tensor whose non-zero elements all equal one value (dropout noise) as 1 bit per element + that value.
+
+    Args:
+        check: verify that the non-zeros equal one value (two more passes, and a host read of their result on
+            CUDA). ``False`` is for callers that know it by construction: the engine's dropout rule, whose noise
+            is 0 or ``1/(1-p)``.
+    """
 
     name = "scaled_mask"
     lossless = True
     dtypes = FLOATING
+
+    def __init__(self, check: bool = True):
+        if not isinstance(check, bool):
+            raise ValueError(f"check={check!r}; expected True or False")
+        self.check = check
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
@@ -74,16 +85,15 @@ class ScaledMaskCodec(Codec):
         nonzero = flat != 0
         # dropout noise (0 or 1/(1-p)): the value is the maximum, one reduction; else the first non-zero element
         scale = flat.amax() if flat.numel() else flat.new_zeros(())
-        if not torch.equal(torch.where(nonzero, scale, 0.0), flat):
+        if self.check and not torch.equal(torch.where(nonzero, scale, 0.0), flat):
             scale = flat[nonzero.to(torch.uint8).argmax()].clone()  # a view would keep the input alive
             if not torch.equal(torch.where(nonzero, scale, 0.0), flat):
                 raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one value; "
                                  f"got a tensor of shape {list(x.shape)} with several non-zero values")
-        bits = pack_codes(nonzero.view(torch.uint8), 1)
-        return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits, "scale": scale})
+        return Packed(self.name, x.shape, x.dtype, x.device, {"bits": pack_bits(nonzero), "scale": scale})
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        nonzero = unpack_codes(packed.buffers["bits"], 1, packed.numel).view(torch.bool)
+        nonzero = unpack_bits(packed.buffers["bits"], packed.numel)
         return torch.where(nonzero, packed.buffers["scale"], 0.0).view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
@@ -180,14 +190,14 @@ class MaxPoolIndexCodec(Codec):
                              f"{self.kernel_size}, stride={self.stride}, padding={self.padding}, dilation="
                              f"{self.dilation}, input_size={self.input_size})")
         local = _ravel(taps, self.kernel_size).reshape(-1)
-        planes = [pack_codes(((local >> b) & 1).to(torch.uint8), 1) for b in range(self.bits)]
+        planes = [pack_bits(((local >> b) & 1).to(torch.uint8)) for b in range(self.bits)]
         stacked = torch.stack(planes) if planes else x.new_empty((0, packed_nbytes(x.numel(), 1)), dtype=torch.uint8)
         return Packed(self.name, x.shape, x.dtype, x.device, {"planes": stacked})
 
     def decode(self, packed: Packed) -> torch.Tensor:
         local = torch.zeros(packed.numel, dtype=torch.int64, device=packed.device)
         for b, plane in enumerate(packed.buffers["planes"]):
-            local |= unpack_codes(plane, 1, packed.numel).to(torch.int64) << b
+            local |= unpack_bits(plane, packed.numel).to(torch.int64) << b
         taps = _unravel(local.view(-1, math.prod(self.output_size)), self.kernel_size)
         coords = [start + t * d for start, t, d in zip(self._window_starts(packed.device), taps, self.dilation)]
         return _ravel(coords, self.input_size).view(packed.shape)
@@ -198,7 +208,7 @@ class MaxPoolIndexCodec(Codec):
 
 # ---- which op saved the tensor -> codec ---------------------------------------------------------------------
 _POSITIVE_MASK = PositiveMaskCodec()
-_SCALED_MASK = ScaledMaskCodec()
+_DROPOUT_NOISE = ScaledMaskCodec(check=False)
 _POOL_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
 _POOL_DIMS = {
     F.max_pool1d: 1, F.max_pool1d_with_indices: 1, torch.max_pool1d: 1, torch.max_pool1d_with_indices: 1,
@@ -213,7 +223,7 @@ def _positive_mask_rule(t: torch.Tensor, call) -> Codec | None:
 
 def _dropout_rule(t: torch.Tensor, call) -> Codec | None:
     # CPU dropout saves float noise; CUDA's native_dropout saves a bool mask, left to the bitmask codec
-    return _SCALED_MASK if t.is_floating_point() else None
+    return _DROPOUT_NOISE if t.is_floating_point() else None
 
 
 def _max_pool_rule(t: torch.Tensor, call) -> Codec | None:

@@ -62,3 +62,32 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         return packed[:numel]
     codes = packed.new_empty(packed.numel() * 8 // bits)
     return unpack_codes_(packed, bits, codes, torch.empty_like(codes))[:numel]
+
+
+# 1 bit per element by 64-bit word arithmetic: two or three whole-tensor ops instead of pack_codes' dozen (the
+# mask codecs run once per ReLU and dropout, so on a GPU their launch count is host time). Products wrap modulo
+# 2**64, as torch's int64 multiply does on CPU and CUDA.
+_GATHER = 0x0102040810204080  # (8 bytes of 0/1) * this: byte k lands on bit 56 + k, no two partial products meet
+_SPREAD = 0x0101010101010101  # a byte * this: copies of it in all 8 bytes of a word
+_SELECT = 0x8040201008040201 - (1 << 64)  # keeps bit k of byte k (as a signed int64 constant)
+
+
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """Pack a flat tensor of 0/1 bytes (uint8 or bool) into ``packed_nbytes(numel, 1)`` bytes, the layout of
+    ``pack_codes(flags, 1)``."""
+    codes = flags.view(torch.uint8)
+    numel = codes.numel()
+    if numel % 8 or codes.storage_offset() % 8:
+        padded = codes.new_zeros(numel + (-numel % 8))
+        padded[:numel] = codes
+        codes = padded
+    # the top byte of each little-endian word product holds its 8 flags
+    return (codes.view(torch.int64) * _GATHER).view(torch.uint8)[7::8].clone(memory_format=torch.contiguous_format)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` flags, as a bool tensor."""
+    words = packed.to(torch.int64, memory_format=torch.contiguous_format)
+    words *= _SPREAD
+    words &= _SELECT
+    return words.view(torch.uint8)[:numel].bool()
