@@ -155,13 +155,16 @@ def test_host_overhead_quick_mode_measures_the_cuda_path_with_no_op_kernels():
     import bench_host_overhead
 
     rows = bench_host_overhead.run(quick=True)
-    assert [r["config"] for r in rows] == list(bench_host_overhead.CONFIGS)[:2]
+    configs = list(bench_host_overhead.CONFIGS)[:2]
+    assert [(r["model"], r["config"]) for r in rows] == [(m, c) for m in bench_host_overhead.WIDTHS for c in configs]
     for r in rows:
         assert r["saved"] > r["compressed"] > 0 and r["launches_per_step"] > 0
         assert all(math.isfinite(r[k]) for k in ("step_us_per_saved", "hook_us_per_saved", "plain_ms"))
         assert r["hook_us_per_saved"] > 0
     table = bench_host_overhead.comparison_table([rows], [rows])
-    assert f"| {rows[0]['config']} | {rows[0]['step_us_per_saved']:.1f} -> {rows[0]['step_us_per_saved']:.1f} |" in table
+    first = rows[0]
+    assert (f"| {first['model']} | {first['config']} | {first['step_us_per_saved']:.1f} -> "
+            f"{first['step_us_per_saved']:.1f} |") in table
 
 
 def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_path):
