@@ -82,6 +82,8 @@ class ACTConfig:
         swap: move compressed activations to host memory in forward, prefetch them in backward (L2).
         checkpointing: checkpoint HuggingFace layers with compressed inputs and recomputation (CB1, CB2).
         efficient_attention: chunked self-attention in HuggingFace models, memory linear in length (CB2).
+        side_stream: encode CUDA tensors on a side stream, overlapping the forward's next ops
+            (:mod:`lightning_act.side_stream`); off by default until measured on GPUs. Not with ``swap``.
         adapt_interval: auto-precision re-estimates tensor sensitivities every this many steps.
         bit_budget: average bits per element auto-precision allocates (GACT's adaptive 4/3/2 bit), in [1, 32];
             ``None`` = ``bits``.
@@ -111,6 +113,7 @@ class ACTConfig:
     swap: bool | None = None
     checkpointing: bool | None = None
     efficient_attention: bool | None = None
+    side_stream: bool = False
     adapt_interval: int = 1000
     bit_budget: float | None = None
     adapt_fraction: float = 1.0
@@ -143,8 +146,11 @@ class ACTConfig:
         check_int("group_size", self.group_size, minimum=32, multiple_of=32)
         check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
         check_int("min_numel", self.min_numel, minimum=0)
-        for flag in ("compress_masks", "swap", "checkpointing", "efficient_attention"):
+        for flag in ("compress_masks", "swap", "checkpointing", "efficient_attention", "side_stream"):
             check_choice(flag, getattr(self, flag), (True, False))
+        if self.side_stream and self.swap:
+            raise ValueError(f"side_stream=True encodes on a side stream that swap=True's copies do not wait for; got "
+                             f"opt_level={self.opt_level!r} with swap=True: choose one")
         check_choice("blpa_bits", self.blpa_bits, (None, 4, 8))
         check_int("seed", self.seed, minimum=0)
         check_choice("backend", self.backend, BACKENDS)

@@ -21,6 +21,7 @@ from .codecs import op_rules
 from .codecs.base import Codec, Packed
 from .config import ACTConfig, resolve_config
 from .optrack import FunctionTracker
+from .side_stream import SideStreamEncoder
 from .swap import SwapHandle, SwapStore
 from .stats import COMPRESSED, DUPLICATE, KEPT, PARAMETER, CompressionStats, TensorRecord
 
@@ -118,13 +119,15 @@ class _Saved:
     """What autograd holds for one saved tensor between forward and backward.
 
     ``watched`` is the tensor whose version counter autograd's in-place check reads: the saved tensor itself
-    when it is kept, else a :func:`_version_alias` of it (``None``: not checked)."""
+    when it is kept, else a :func:`_version_alias` of it (``None``: not checked). ``side``: the side-stream
+    encoder that encoded it (``ticket``: which encode), or ``None``."""
 
-    __slots__ = ("watched", "version", "shape", "tensor", "packed", "swapped", "codec", "geometry")
+    __slots__ = ("watched", "version", "shape", "tensor", "packed", "swapped", "codec", "geometry", "side",
+                 "ticket")
 
     def __init__(self, t: torch.Tensor, watched: torch.Tensor | None, tensor: torch.Tensor | None = None,
                  packed: Packed | None = None, swapped: "SwapHandle | None" = None, codec: Codec | None = None,
-                 geometry: tuple | None = None):
+                 geometry: tuple | None = None, side: SideStreamEncoder | None = None, ticket: int = 0):
         self.watched = watched
         self.version = t._version
         self.shape = t.shape
@@ -133,6 +136,7 @@ class _Saved:
         self.swapped = swapped  # ... or that form moved to host memory
         self.codec = codec
         self.geometry = geometry  # (size, stride, storage_offset) of a view into a compressed storage
+        self.side, self.ticket = side, ticket
 
     def check_version(self) -> None:
         if self.watched is not None and self.watched._version != self.version:
@@ -287,6 +291,7 @@ class ActivationCompressor:
         self._last_step: _Step | None = None  # last completed step of any thread
         self._thread = threading.local()  # .step: running in this thread; .last: its last completed step
         self.swap_store: SwapStore | None = SwapStore() if self.config.swap else None
+        self.side_stream: SideStreamEncoder | None = SideStreamEncoder() if self.config.side_stream else None
         self.blpa_blocks = 0  # set by the BLPA conversion (lightning_act.model_prep)
         for preparation in _MODEL_PREPARATIONS:
             preparation.prepare(self)
@@ -502,18 +507,23 @@ class ActivationCompressor:
             self._record(step, index, t, DUPLICATE, codec.name if codec is not None else "none", 0.0, 0, 0)
             if first.tensor is not None:
                 return _kept(t)
-            return _Saved(t, _version_alias(t), None, first.packed, first.swapped, first.codec, geometry)
+            return _Saved(t, _version_alias(t), None, first.packed, first.swapped, first.codec, geometry, first.side,
+                          first.ticket)
 
         if codec is None:
             saved = self._keep(step, index, t, reason, original)
         else:
-            packed = codec.encode(unit, key=self.noise_key(index, step))
+            side = self.side_stream
+            if side is not None and codec.side_stream_safe and side.takes(unit):
+                packed, ticket = side.encode(codec, unit, self.noise_key(index, step))
+            else:
+                packed, side, ticket = codec.encode(unit, key=self.noise_key(index, step)), None, 0
             stored, swapped = packed.nbytes, None
             if self.swap_store is not None and step.phase == "forward":  # recomputed tensors live briefly
                 swapped, packed = self.swap_store.put(step.number, index, packed), None
             self._record(step, index, t, COMPRESSED, codec.name, codec.bits_per_element(unit, packed), original, stored,
                          offloaded=swapped is not None, error_bound=codec.error_bound)
-            saved = _Saved(t, _version_alias(t), None, packed, swapped, codec, geometry)
+            saved = _Saved(t, _version_alias(t), None, packed, swapped, codec, geometry, side, ticket)
         step.seen[key] = (StorageWeakRef(storage), saved)
         return saved
 
@@ -550,7 +560,8 @@ class ActivationCompressor:
         if saved.tensor is not None:
             return saved.tensor
         packed = saved.packed if saved.packed is not None else saved.swapped.fetch()
-        out = saved.codec.decode(packed)  # in the shape of what was encoded: the tensor, or its storage (flat)
+        # in the shape of what was encoded: the tensor, or its storage (flat)
+        out = saved.codec.decode(packed) if saved.side is None else saved.side.decode(saved.codec, packed, saved.ticket)
         if saved.geometry is not None:
             size, stride, offset = saved.geometry
             return out.as_strided(size, stride, offset)

@@ -66,6 +66,9 @@ class Codec(ABC):
     # The ``ACTConfig`` fields passed to the constructor when the config names this codec (``ACTConfig.codec``);
     # ``ACTConfig.codec_options`` gives any other constructor argument.
     config_fields: ClassVar[tuple[str, ...]] = ()
+    # Whether ``encode`` may run on a side CUDA stream (``ACTConfig(side_stream=True)``): all its device work is
+    # queued on the current stream and nothing it keeps on the host refers to that stream's progress.
+    side_stream_safe: ClassVar[bool] = True
 
     @abstractmethod
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:

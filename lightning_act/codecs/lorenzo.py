@@ -22,6 +22,7 @@ class LorenzoCodec(Codec):
     name = "lorenzo"
     dtypes = frozenset(FLOAT_DTYPES)
     config_fields = ("error_bound", "backend")
+    side_stream_safe = False  # the lazy trim reads sizes by events recorded on the stream the encode ran on
 
     def __init__(self, error_bound: float | None = None, backend: str = "auto"):
         check_positive_float("error_bound", error_bound)
