@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from . import module_tree
 from .engine import ActivationCompressor, active_compressor
 
 
@@ -107,7 +108,7 @@ def use_compressed_checkpointing(model: nn.Module, compressor: ActivationCompres
     checkpointed (CB1). Yields the number of layers routed; restores every layer's attributes on exit.
     """
     # the modules HuggingFace's own _set_gradient_checkpointing configures
-    layers = [m for m in model.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+    layers = [m for m in module_tree.modules(model) if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
     saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
     routed = 0
     try:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import codecs, rng
+from . import codecs, module_tree, rng
 from .codecs import op_rules
 from .codecs.base import Codec, Packed
 from .config import ACTConfig, resolve_config
@@ -80,17 +80,12 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
 
 
 def _parameters_and_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """What ``model.parameters()`` and ``model.buffers()`` list together (shared ones possibly twice), walking the
-    module tree directly: read at every step, and ``named_modules`` builds a name string per module."""
-    tensors, modules, seen = [], [model], {id(model)}
-    while modules:
-        module = modules.pop()
+    """What ``model.parameters()`` and ``model.buffers()`` list together (shared ones possibly twice), read at
+    every step from the cached module list (:mod:`lightning_act.module_tree`)."""
+    tensors = []
+    for module in module_tree.modules(model):
         tensors += [t for t in module._parameters.values() if t is not None]
         tensors += [t for t in module._buffers.values() if t is not None]
-        for child in module._modules.values():
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                modules.append(child)
     return tensors
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import module_tree
 from .engine import ActivationCompressor
 
 
@@ -32,7 +33,7 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:
         return []
-    return [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+    return [m for m in module_tree.modules(model) if isinstance(m, fsdp.FSDPModule)]
 
 
 def _own_parameter_holders(module: nn.Module) -> list[nn.Module]:
