@@ -151,8 +151,10 @@ class StackedGNN(nn.Module):
 
     def forward(self, x, adj):
         x = self.dropout(x)
-        for i in range(len(self.convs)):
-            x = self.block(i, x, adj)
+        for i, conv in enumerate(self.convs):
+            x = conv(x, adj)  # the conv's input is let go before the activation (a block() call would hold it)
+            if i < len(self.convs) - 1:
+                x = self.post(x)
         return x
 
 
