@@ -80,9 +80,9 @@ def _is_relu_dropout(module: nn.Module) -> bool:
             and type(module[1]) is nn.Dropout)
 
 
-def fuse_gcn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES) -> nn.Module:
+def fuse_gcn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, relu_dropout: bool = True) -> nn.Module:
     """Swap, in ``model``, every ``torch_geometric.nn.GCNConv`` for a :class:`~lightning_act.nn.SparseGCNConv`
-    sharing its parameters and every ``nn.Sequential(nn.ReLU(), nn.Dropout(p))`` for a
+    sharing its parameters and (``relu_dropout=True``) every ``nn.Sequential(nn.ReLU(), nn.Dropout(p))`` for a
     :class:`~lightning_act.nn.ReLUDropout` (its dropout draws other masks); returns ``model``.
 
     Why: over a sparse ``adj_t`` a GCN step's peak is set by backward temporaries that are not saved tensors
@@ -101,7 +101,7 @@ def fuse_gcn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES) -> 
             qualified = f"{parent_name}.{name}" if parent_name else name
             if isinstance(child, GCNConv):
                 fused = _sparse_conv(qualified, child, chunk_bytes)
-            elif _is_relu_dropout(child):
+            elif relu_dropout and _is_relu_dropout(child):
                 fused = ReLUDropout(child[1].p, chunk_bytes).train(child.training)
             else:
                 continue
