@@ -223,6 +223,9 @@ def main(argv=None) -> dict:
                         metavar="CONFIG", help=f"some of: {'; '.join(CONFIGS)}")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="accuracy seeds (none: skipped)")
     parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: on a shared machine each parallel op of a second thread waits "
+                             "for a busy core, which penalises chunked code most)")
     parser.add_argument("--quick", action="store_true", help="2,000 nodes, 2 layers, one seed of 5 epochs")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "gnn_sparse.md")
     args = parser.parse_args(argv)
@@ -231,6 +234,7 @@ def main(argv=None) -> dict:
     if args.quick:
         args.nodes, args.layers, args.seeds, args.epochs = 2000, [2], [0], 5
     command = shlex.join(["python", "benchmarks/bench_gnn_sparse.py", *(sys.argv[1:] if argv is None else argv)])
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", "Sparse")  # torch's beta and invariant-check notices for CSR tensors
     torch.manual_seed(0)
     data = random_graph(args.nodes, args.degree, args.features, args.classes)

@@ -17,11 +17,29 @@ import math
 import torch
 from torch import nn
 
-from ..formats._bitpack import pack_codes, unpack_codes
 
 from ._chunks import DEFAULT_CHUNK_BYTES, chunk_rows, row_bounds, unpack_saved
 
 __all__ = ["ReLUDropout", "relu_dropout"]
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as 1 bit per element (uint8, element i at bit i % 8 of byte i // 8): one multiply and one
+    sum over bytes, several times faster on CPU than shift-and-or passes over words."""
+    flat = mask.reshape(-1)
+    if flat.numel() % 8:
+        flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
+    return (flat.view(-1, 8).view(torch.uint8) * _bit_weights(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: the bool tensor of ``shape``."""
+    bits = packed.view(-1, 1) & _bit_weights(packed.device)
+    return bits.view(-1)[:math.prod(shape)].view(shape).bool()
 
 
 class _ReLUDropout(torch.autograd.Function):
@@ -29,15 +47,15 @@ class _ReLUDropout(torch.autograd.Function):
     def forward(ctx, x, p, rows):
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         scale = 1.0 / (1.0 - p)
-        masks = []
+        masks, zero = [], x.new_zeros(())
         for chunk, target in zip(x.split(rows), out.split(rows)):
             keep = chunk > 0
             if p > 0:
                 keep &= torch.rand(chunk.shape, dtype=chunk.dtype, device=chunk.device) >= p
-            torch.mul(chunk, keep, out=target)
+            torch.where(keep, chunk, zero, out=target)
             if p > 0:
                 target.mul_(scale)
-            masks.append(pack_codes(keep.view(-1).view(torch.uint8), 1))
+            masks.append(pack_mask(keep))
         ctx.scale, ctx.bounds, ctx.row_shape = scale, row_bounds(x.shape[0], rows), x.shape[1:]
         ctx.save_for_backward(*masks)
         return out
@@ -46,10 +64,10 @@ class _ReLUDropout(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         grad = torch.empty_like(grad_out, memory_format=torch.contiguous_format)
+        zero = grad_out.new_zeros(())
         for i, (start, stop) in enumerate(ctx.bounds):
-            shape = (stop - start, *ctx.row_shape)
-            keep = unpack_codes(unpack_saved(ctx, i), 1, math.prod(shape)).view(torch.bool).view(shape)
-            target = torch.mul(grad_out[start:stop], keep, out=grad[start:stop])
+            keep = unpack_mask(unpack_saved(ctx, i), (stop - start, *ctx.row_shape))
+            target = torch.where(keep, grad_out[start:stop], zero, out=grad[start:stop])
             if ctx.scale != 1.0:
                 target.mul_(ctx.scale)
         return grad, None, None
