@@ -119,9 +119,10 @@ GNN_MODELS = ("gcn", "gat", "gcnii", "sage")
 
 
 class StackedGNN(nn.Module):
-    """``layers`` convs of GCN, GAT (4 heads) or GraphSAGE, each but the last followed by the activation and
-    dropout (the input is dropped out too). ``block(i, x, adj)`` runs layer ``i`` with what follows it, the unit
-    a per-layer checkpoint wraps."""
+    """``layers`` convs of GCN, GAT (4 heads) or GraphSAGE, each but the last followed by ``post``, the activation
+    then dropout (the input is dropped out too). ``block(i, x, adj)`` runs layer ``i`` with what follows it, the
+    unit a per-layer checkpoint wraps. ``post`` is one ``nn.Sequential`` so that
+    ``lightning_act.integrations.fuse_gcn`` can swap it (ReLU + dropout) for ``ReLUDropout``."""
 
     def __init__(self, kind: str, in_dim: int, hidden: int, classes: int, layers: int = 2, dropout: float = 0.5,
                  cached: bool = False):
@@ -142,15 +143,18 @@ class StackedGNN(nn.Module):
             self.convs = nn.ModuleList([SAGEConv(a, b) for a, b in zip(dims[:-1], dims[1:])])
             self.act = nn.ReLU()
         self.dropout = nn.Dropout(dropout)
+        self.post = nn.Sequential(self.act, self.dropout)
 
     def block(self, i: int, x, adj):
         x = self.convs[i](x, adj)
-        return x if i == len(self.convs) - 1 else self.dropout(self.act(x))
+        return x if i == len(self.convs) - 1 else self.post(x)
 
     def forward(self, x, adj):
         x = self.dropout(x)
-        for i in range(len(self.convs)):
-            x = self.block(i, x, adj)
+        for i, conv in enumerate(self.convs):
+            x = conv(x, adj)  # the conv's input is let go before the activation (a block() call would hold it)
+            if i < len(self.convs) - 1:
+                x = self.post(x)
         return x
 
 

@@ -12,6 +12,9 @@ directly, graspologic itself is not imported: ``pip install --no-deps graspologi
 The adjacency is sparse by default (a CSR ``adj_t``): GCN, GCNII and GraphSAGE then aggregate by a sparse-dense
 product, so what a step holds is node-sized and mostly saved activations, which compression shrinks; over an
 ``edge_index`` they materialise edge-sized messages that compression does not touch (GAT does either way).
+GCN over the sparse adjacency is fused by default (``lightning_act.integrations.fuse_gcn``: ``SparseGCNConv``
+and ``ReLUDropout``, whose backward holds two node-sized tensors instead of about five; ``--no-fuse`` keeps
+PyG's ``GCNConv``).
 
 Prints, per model, the baseline-vs-compressed summary (test accuracy, activation bytes, ratio, step-time
 ratio) and the compressed run's statistics per layer; writes TensorBoard logs under ``--logdir``.
@@ -25,7 +28,7 @@ import torch
 
 import lightning_act as act
 from lightning_act.datasets import adjacency, drosophila, karate_club, synthetic_sbm
-from lightning_act.integrations import LayerStats
+from lightning_act.integrations import LayerStats, fuse_gcn
 from lightning_act.metrics import write_stats
 from lightning_act.models import GNN_MODELS, gnn, node_classification_step
 from lightning_act.reporting import RunResult, StepClock, summary_table
@@ -71,6 +74,8 @@ def train(args, data, kind: str, compress: bool, writer=None) -> tuple[RunResult
     """Full-batch training; returns the run and, when compressed, the per-layer table of the last step."""
     torch.manual_seed(args.seed)
     model = gnn(kind, data.num_features, args.hidden, int(data.y.max()) + 1, args.layers, cached=True)
+    if kind == "gcn" and args.adjacency == "sparse" and args.fuse:
+        fuse_gcn(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=5e-4)
     adj = adjacency(data, args.adjacency)
     compressor = act.ActivationCompressor(model, act.ACTConfig(bits=args.bits, adaptive=False, min_numel=args.min_numel))
@@ -109,6 +114,8 @@ def parse_args(argv=None):
     parser.add_argument("--adjacency", choices=("sparse", "edge_index"), default="sparse",
                         help="sparse: a CSR adjacency (no edge-sized messages in GCN, GCNII, SAGE); edge_index: "
                              "int64 pairs")
+    parser.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
+                        help="GCN over the sparse adjacency: fused layers (SparseGCNConv, ReLUDropout)")
     parser.add_argument("--root", default="data", help="download directory for Planetoid/OGB")
     parser.add_argument("--logdir", default="runs/gnn", help="TensorBoard log directory")
     parser.add_argument("--seed", type=int, default=0)

@@ -139,13 +139,15 @@ def test_bench_gnn_sparse_quick_measures_every_configuration(tmp_path):
     peaks = {}
     for line in out.read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 6 and cells[0] == "2":  # layers, config, peak MiB, peak ÷, saved / stored MiB, step s
+        if len(cells) == 7 and cells[0] == "2":  # layers, config, peak MiB, peak ÷, ÷ fused, saved / stored, step s
             peaks[cells[1]] = float(cells[2])
-            assert float(cells[5]) > 0
+            assert float(cells[6]) > 0
     assert set(peaks) == {"edge_index, uncompressed", "sparse, uncompressed", "sparse, 4-bit", "sparse, 2-bit",
-                          "sparse, L1 (auto-precision)", "sparse, checkpoint per layer"}
+                          "sparse, L1 (auto-precision)", "sparse, checkpoint per layer", "fused sparse, uncompressed",
+                          "fused sparse, 4-bit", "fused sparse, 2-bit", "fused convs only, 4-bit"}
     assert peaks["edge_index, uncompressed"] > peaks["sparse, uncompressed"] > 0
-    assert "| sparse | 4-bit |" in out.read_text()
+    assert peaks["fused sparse, 4-bit"] < peaks["sparse, 4-bit"]
+    assert "| sparse | 4-bit |" in out.read_text() and "| sparse, fused | 4-bit |" in out.read_text()
 
 
 def test_host_overhead_quick_mode_measures_the_cuda_path_with_no_op_kernels():

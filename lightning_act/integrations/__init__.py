@@ -7,6 +7,8 @@ library raises ``ImportError`` with the install command.
 - ``ACTTrainer`` / ``ACTTrainerMixin`` / ``CompressionCallback``: HuggingFace ``Trainer`` with compression;
   ``checkpointing_args(True)``: the ``TrainingArguments`` keyword for HF gradient checkpointing in any version
 - ``LayerStats``: per-layer statistics (GNN layers by default) by module hooks
+- ``fuse_gcn(model)`` / ``unfuse_gcn(model)``: swap GCNConv (and ReLU+dropout) layers for ones whose backward
+  holds two node-sized tensors (``lightning_act.nn.SparseGCNConv``, ``ReLUDropout``)
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ _EXPORTS = {
     "compress_forward": "accelerate", "unpatch": "accelerate",
     "ACTTrainer": "transformers", "ACTTrainerMixin": "transformers", "CompressionCallback": "transformers",
     "checkpointing_args": "transformers",
-    "LayerStats": "pyg",
+    "LayerStats": "pyg", "fuse_gcn": "pyg", "unfuse_gcn": "pyg",
 }
 # module -> (library it needs, extra that installs it)
 _REQUIREMENTS = {"accelerate": ("accelerate", "hf"), "transformers": ("transformers", "hf"),
