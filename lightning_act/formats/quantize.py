@@ -114,49 +114,85 @@ def groups_per_chunk(group_size: int, bits: int, elements: int) -> int:
 
 
 class Workspace:
-    """The buffers the fast path reuses from chunk to chunk, for chunks of up to ``capacity`` elements."""
+    """The buffers the fast path reuses from chunk to chunk, for chunks of up to ``capacity`` elements: ``values``
+    (float32) and ``words`` (int32), whose bytes also hold the random words' scratch, the float32 noise and the
+    16-bit and 8-bit codes in turn (8 bytes per element in all)."""
 
     def __init__(self, capacity: int, device: torch.device):
         capacity = -(-capacity // 8) * 8 + 8  # room to pad the codes to whole words
         self.values = torch.empty(capacity, dtype=torch.float32, device=device)
         self.words = torch.empty(capacity, dtype=torch.int32, device=device)
-        self.scratch = torch.empty(capacity, dtype=torch.int32, device=device)
-        self.codes = torch.empty(capacity, dtype=torch.uint8, device=device)
+
+
+def _group_stats(xg: torch.Tensor, levels: int, stats_dtype: torch.dtype, mn_out: torch.Tensor,
+                 step_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Statistics of the float32 groups ``xg`` as :func:`quantize_spec` computes them, written into ``mn_out`` /
+    ``step_out`` (NaN left as computed: the caller canonicalises the outputs once); returns float32 ``mn``,
+    ``step`` and ``inv`` for the elementwise pass."""
+    mn, mx = xg.amin(dim=1), xg.amax(dim=1)  # aminmax is slower on CPU
+    if stats_dtype == torch.float32:
+        mn_out.copy_(mn)
+        step = torch.div(torch.sub(mx, mn, out=mx), torch.full_like(mx, levels), out=step_out)
+    else:
+        mn_s = mn_out.copy_(mn)
+        mn_s.copy_(torch.where(mn_s.float() > mn, torch.nextafter(mn_s, mn_s.new_tensor(float("-inf"))), mn_s))
+        mn = mn_s.float()
+        step = _div_levels(mx.sub_(mn), levels)
+        step_s = step_out.copy_(step)
+        step_s.copy_(torch.where(step_s.float() < step, torch.nextafter(step_s, step_s.new_tensor(float("inf"))),
+                                 step_s))
+        step = step_s.float()
+    return mn, step, _inverse(step)
+
+
+def _inverse(step: torch.Tensor) -> torch.Tensor:
+    """``1 / step`` where ``step > 0``, else 0 (float32)."""
+    return torch.where(step > 0, 1.0 / step, 0.0)
+
+
+def nonfinite_groups(mn: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Groups whose stored statistics or ``1 / step`` are not finite (a boolean per group). Elsewhere ``t = (x - mn)
+    * inv + u`` is NaN-free and in ``[0, levels + 2)``: ``x - mn`` is finite and at most ``mx - mn``, ``inv``
+    about ``levels / (mx - mn)``; so the fast encode skips the NaN and range handling and redoes these groups."""
+    mn, step = mn.float(), step.float()
+    return ~(torch.isfinite(mn) & torch.isfinite(step) & torch.isfinite(_inverse(step)))
 
 
 def encode_groups(x: torch.Tensor, start: int, group_size: int, bits: int, stats_dtype: torch.dtype, base: int,
-                  ws: Workspace, payload: torch.Tensor, mn_out: torch.Tensor, step_out: torch.Tensor) -> None:
+                  ws: Workspace, payload: torch.Tensor, mn_out: torch.Tensor, step_out: torch.Tensor,
+                  safe: bool = True) -> None:
     """Encode ``x`` (a flat chunk of any float dtype: ``mn_out.numel()`` groups, the last maybe short) whose first
     element has index ``start`` in its tensor: codes into ``payload`` (starting on a byte), statistics into
-    ``mn_out`` / ``step_out``. The same bits as :func:`quantize_spec` on the whole tensor."""
+    ``mn_out`` / ``step_out`` (NaN not canonical yet: the caller canonicalises the outputs once). The same bits
+    as :func:`quantize_spec` on the whole tensor; with ``safe=False`` only where :func:`nonfinite_groups` is
+    False (the caller encodes the chunk again, safe, otherwise)."""
     m, groups = x.numel(), mn_out.numel()
     padded, levels = groups * group_size, (1 << bits) - 1
+    values, words = ws.values[:padded], ws.words[:padded]
+    # random words first, with values as their scratch; then k < 2**24 as float32 in place (exact)
+    noise = rng.uniform24_codes_(base, start, words, values.view(torch.int32))
+    noise = words.view(torch.float32).copy_(noise)
     if x.dtype == torch.float32 and m == padded:
-        xf = x
+        xg = x.view(groups, group_size)
     else:  # float32 copy, the short last group padded with its last element (min and max unchanged)
-        xf = ws.values[:padded]
-        xf[:m] = x
-        xf[m:] = xf[m - 1]
-    xg = xf.view(groups, group_size)
-    mn_s, step_s = _round_stats(xg.amin(dim=1), xg.amax(dim=1), levels, stats_dtype)  # aminmax is slower
-    mn_out.copy_(mn_s)
-    step_out.copy_(step_s)
-    step32 = step_s.float()
-    inv = torch.where(step32 > 0, 1.0 / step32, torch.zeros_like(step32))
-    t = torch.sub(xg, mn_s.float()[:, None], out=ws.values[:padded].view(groups, group_size)).mul_(inv[:, None])
-    noise = rng.uniform24_codes_(base, start, ws.words[:padded], ws.scratch[:padded])
-    noise = ws.scratch[:padded].view(torch.float32).copy_(noise)  # k < 2**24 as float32: exact
-    t = t.view(-1).add_(noise, alpha=2.0**-24)  # k * 2**-24 is exact: fused or not, one rounding
-    # NaN to 0 as the specification's comparisons do; truncation to uint8 is floor on [0, levels]
-    t.nan_to_num_(0.0).clamp_(0, levels)
+        values[:m] = x
+        values[m:] = values[m - 1]
+        xg = values.view(groups, group_size)
+    mn, step, inv = _group_stats(xg, levels, stats_dtype, mn_out, step_out)
+    t = torch.sub(xg, mn[:, None], out=values.view(groups, group_size)).mul_(inv[:, None]).view(-1)
+    t.add_(noise, alpha=2.0**-24)  # k * 2**-24 is exact: fused or not, one rounding
+    if safe:  # NaN to 0 as the specification's comparisons do, and +-Inf into range
+        t.nan_to_num_(0.0).clamp_(0, levels)
+    # truncation is floor on t >= 0; 16-bit codes hold up to levels + 1, clamped below
+    wide = words.view(torch.int16)[:m].copy_(t[:m])
     if bits == 8:
-        payload.copy_(t[:m])
+        payload.copy_(wide.clamp_max_(levels))
         return
     whole = -(-m // (8 // bits)) * (8 // bits)
-    codes = ws.codes[:whole]
-    codes[:m] = t[:m]
+    codes = ws.values.view(torch.uint8)[:whole]
+    codes[:m] = wide
     codes[m:] = 0
-    pack_codes_(codes, bits, payload, ws.scratch.view(torch.uint8))
+    pack_codes_(codes.clamp_max_(levels), bits, payload)
 
 
 def decode_groups(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, bits: int, group_size: int,
@@ -168,9 +204,9 @@ def decode_groups(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, b
     values = ws.values[:padded]
     if bits == 8:
         values[:m] = payload
-    else:
-        codes = ws.codes[: payload.numel() * (8 // bits)]
-        values[:m] = unpack_codes_(payload, bits, codes, ws.scratch.view(torch.uint8))[:m]
+    else:  # codes in the words' bytes, the values' bytes as scratch until the codes are read
+        codes = ws.words.view(torch.uint8)[: payload.numel() * (8 // bits)]
+        values[:m] = unpack_codes_(payload, bits, codes, ws.values.view(torch.uint8))[:m]
     values[m:] = 0
     vg = values.view(groups, group_size).mul_(step.float()[:, None])
     if out.dtype == torch.float32 and m == padded:
@@ -201,12 +237,32 @@ def quantize_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype:
     chunk = groups_per_chunk(group_size, bits, chunk_elements(x.device))
     ws = Workspace(min(groups, chunk) * group_size, x.device)
     base = rng.stream_base(seed, key)
-    for g0 in range(0, groups, chunk):
+
+    def encode(g0: int, safe: bool) -> None:
         g1 = min(groups, g0 + chunk)
         e0, e1 = g0 * group_size, min(n, g1 * group_size)
         encode_groups(flat[e0:e1], e0, group_size, bits, stats_dtype, base, ws,
-                      payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn_out[g0:g1], step_out[g0:g1])
+                      payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn_out[g0:g1], step_out[g0:g1], safe)
+
+    encode_chunks(encode, groups, chunk, mn_out, step_out)
     return payload, mn_out, step_out
+
+
+def encode_chunks(encode, groups: int, chunk: int, mn: torch.Tensor, step: torch.Tensor) -> None:
+    """Run ``encode(g0, safe)`` for the chunks of ``chunk`` groups starting at ``g0``, then canonicalise the NaN of
+    the statistics ``mn`` / ``step`` (in place). On CPU, where reading the statistics back is cheap, every chunk is
+    encoded without NaN and range handling (``safe=False``), then those holding a group of
+    :func:`nonfinite_groups` (NaN, +-Inf, overflow: rare) again with it; elsewhere every chunk is safe."""
+    fast = mn.device.type == "cpu"
+    for g0 in range(0, groups, chunk):
+        encode(g0, not fast)
+    if fast and groups:
+        bad = nonfinite_groups(mn, step)
+        if bool(bad.any()):
+            for c in bad.nonzero().view(-1).div(chunk, rounding_mode="floor").unique().tolist():
+                encode(c * chunk, True)
+    canonical_nan_(mn)
+    canonical_nan_(step)
 
 
 def dequantize_reference(payload, mn, step, numel: int, bits: int, group_size: int, dtype: torch.dtype):
