@@ -40,15 +40,17 @@ from ._bitpack import pack_codes, pack_codes_, packed_nbytes, unpack_codes, unpa
 from .floats import canonical_nan_
 
 STATS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Elements per chunk of the fast path, whose buffers take 13 bytes per element whatever the tensor size: on CPU
-# they stay in L2 (1.6 MiB); on a GPU a chunk is 4 Mi elements (52 MiB, a GPU's L2 order), so the ~35 kernel
-# launches per chunk stay few.
+# Elements per chunk of the fast path, whose buffers take 8 bytes per element whatever the tensor size: on CPU
+# 2**17 per torch thread (each thread's share, 1 MiB of buffers, stays in its core's L2 while ~30 passes run over
+# it); on a GPU a chunk is 4 Mi elements (32 MiB, a GPU's L2 order), so the ~35 kernel launches per chunk stay few.
 CHUNK_ELEMENTS = 1 << 17
 GPU_CHUNK_ELEMENTS = 1 << 22
 
 
 def chunk_elements(device: torch.device) -> int:
-    return CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS
+    return CHUNK_ELEMENTS * torch.get_num_threads() if device.type == "cpu" else GPU_CHUNK_ELEMENTS
+
+
 def _div_levels(d: torch.Tensor, levels: int) -> torch.Tensor:
     """``d / levels`` as one IEEE division on every device: on CUDA, torch turns division by a Python scalar
     into a multiplication by its reciprocal (off by one ulp for levels 3, 15, 255), a tensor divisor it does not."""
@@ -116,12 +118,37 @@ def groups_per_chunk(group_size: int, bits: int, elements: int) -> int:
 class Workspace:
     """The buffers the fast path reuses from chunk to chunk, for chunks of up to ``capacity`` elements: ``values``
     (float32) and ``words`` (int32), whose bytes also hold the random words' scratch, the float32 noise and the
-    16-bit and 8-bit codes in turn (8 bytes per element in all)."""
+    16-bit and 8-bit codes in turn (8 bytes per element in all); and the views of them a chunk shape uses."""
 
     def __init__(self, capacity: int, device: torch.device):
         capacity = -(-capacity // 8) * 8 + 8  # room to pad the codes to whole words
         self.values = torch.empty(capacity, dtype=torch.float32, device=device)
         self.words = torch.empty(capacity, dtype=torch.int32, device=device)
+        self._views: dict[tuple[int, int, int, int], _ChunkViews] = {}
+
+    def views(self, m: int, groups: int, group_size: int, bits: int) -> "_ChunkViews":
+        """The views of the buffers for a chunk of ``m`` elements in ``groups`` groups (built once per shape: every
+        chunk but the last shares them)."""
+        key = (m, groups, group_size, bits)
+        if key not in self._views:
+            self._views[key] = _ChunkViews(self, m, groups, group_size, bits)
+        return self._views[key]
+
+
+class _ChunkViews:
+    """Views of a :class:`Workspace` for one chunk shape, in the order :func:`encode_groups` uses them."""
+
+    def __init__(self, ws: Workspace, m: int, groups: int, group_size: int, bits: int):
+        padded = groups * group_size
+        values, words = ws.values[:padded], ws.words[:padded]
+        self.words, self.scratch, self.noise = words, values.view(torch.int32), words.view(torch.float32)
+        self.values, self.head, self.tail = values.view(groups, group_size), values[:m], values[m:]
+        self.wide = words.view(torch.int16)[:m]  # the codes, 16 bits each, then 8 (below)
+        whole = -(-m // (8 // bits)) * (8 // bits)
+        codes = ws.values.view(torch.uint8)[:whole]
+        self.codes, self.codes_head = codes, codes[:m]
+        self.codes_tail = codes[m:] if whole > m else None
+        self.last = values[m - 1] if m < padded else None
 
 
 def _group_stats(xg: torch.Tensor, levels: int, stats_dtype: torch.dtype, mn_out: torch.Tensor,
@@ -129,19 +156,19 @@ def _group_stats(xg: torch.Tensor, levels: int, stats_dtype: torch.dtype, mn_out
     """Statistics of the float32 groups ``xg`` as :func:`quantize_spec` computes them, written into ``mn_out`` /
     ``step_out`` (NaN left as computed: the caller canonicalises the outputs once); returns float32 ``mn``,
     ``step`` and ``inv`` for the elementwise pass."""
-    mn, mx = xg.amin(dim=1), xg.amax(dim=1)  # aminmax is slower on CPU
+    mx = xg.amax(dim=1)  # aminmax is slower on CPU
     if stats_dtype == torch.float32:
-        mn_out.copy_(mn)
-        step = torch.div(torch.sub(mx, mn, out=mx), torch.full_like(mx, levels), out=step_out)
-    else:
-        mn_s = mn_out.copy_(mn)
-        mn_s.copy_(torch.where(mn_s.float() > mn, torch.nextafter(mn_s, mn_s.new_tensor(float("-inf"))), mn_s))
-        mn = mn_s.float()
-        step = _div_levels(mx.sub_(mn), levels)
-        step_s = step_out.copy_(step)
-        step_s.copy_(torch.where(step_s.float() < step, torch.nextafter(step_s, step_s.new_tensor(float("inf"))),
-                                 step_s))
-        step = step_s.float()
+        mn = torch.amin(xg, dim=1, out=mn_out)
+        step = torch.div(mx.sub_(mn), torch.full_like(mx, levels), out=step_out)
+        return mn, step, _inverse(step)
+    mn = xg.amin(dim=1)
+    mn_s = mn_out.copy_(mn)  # rounded to nearest, then down where that went up
+    mn_s.copy_(torch.where(mn_s.float() > mn, torch.nextafter(mn_s, mn_s.new_tensor(float("-inf"))), mn_s))
+    mn = mn_s.float()
+    step = _div_levels(mx.sub_(mn), levels)
+    step_s = step_out.copy_(step)  # rounded to nearest, then up where that went down
+    step_s.copy_(torch.where(step_s.float() < step, torch.nextafter(step_s, step_s.new_tensor(float("inf"))), step_s))
+    step = step_s.float()
     return mn, step, _inverse(step)
 
 
@@ -167,32 +194,31 @@ def encode_groups(x: torch.Tensor, start: int, group_size: int, bits: int, stats
     as :func:`quantize_spec` on the whole tensor; with ``safe=False`` only where :func:`nonfinite_groups` is
     False (the caller encodes the chunk again, safe, otherwise)."""
     m, groups = x.numel(), mn_out.numel()
-    padded, levels = groups * group_size, (1 << bits) - 1
-    values, words = ws.values[:padded], ws.words[:padded]
-    # random words first, with values as their scratch; then k < 2**24 as float32 in place (exact)
-    noise = rng.uniform24_codes_(base, start, words, values.view(torch.int32))
-    noise = words.view(torch.float32).copy_(noise)
-    if x.dtype == torch.float32 and m == padded:
+    levels = (1 << bits) - 1
+    v = ws.views(m, groups, group_size, bits)
+    # random words first, with the values as their scratch; then k < 2**24 as float32 in place (exact)
+    noise = v.noise.copy_(rng.uniform24_codes_(base, start, v.words, v.scratch))
+    if x.dtype == torch.float32 and v.last is None:
         xg = x.view(groups, group_size)
     else:  # float32 copy, the short last group padded with its last element (min and max unchanged)
-        values[:m] = x
-        values[m:] = values[m - 1]
-        xg = values.view(groups, group_size)
+        v.head.copy_(x)
+        if v.last is not None:
+            v.tail.copy_(v.last)
+        xg = v.values
     mn, step, inv = _group_stats(xg, levels, stats_dtype, mn_out, step_out)
-    t = torch.sub(xg, mn[:, None], out=values.view(groups, group_size)).mul_(inv[:, None]).view(-1)
+    t = torch.sub(xg, mn[:, None], out=v.values).mul_(inv[:, None]).view(-1)
     t.add_(noise, alpha=2.0**-24)  # k * 2**-24 is exact: fused or not, one rounding
     if safe:  # NaN to 0 as the specification's comparisons do, and +-Inf into range
         t.nan_to_num_(0.0).clamp_(0, levels)
     # truncation is floor on t >= 0; 16-bit codes hold up to levels + 1, clamped below
-    wide = words.view(torch.int16)[:m].copy_(t[:m])
+    wide = v.wide.copy_(v.head)
     if bits == 8:
         payload.copy_(wide.clamp_max_(levels))
         return
-    whole = -(-m // (8 // bits)) * (8 // bits)
-    codes = ws.values.view(torch.uint8)[:whole]
-    codes[:m] = wide
-    codes[m:] = 0
-    pack_codes_(codes.clamp_max_(levels), bits, payload)
+    v.codes_head.copy_(wide)
+    if v.codes_tail is not None:
+        v.codes_tail.zero_()
+    pack_codes_(v.codes.clamp_max_(levels), bits, payload)
 
 
 def decode_groups(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, bits: int, group_size: int,
