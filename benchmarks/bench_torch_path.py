@@ -12,8 +12,9 @@ bfloat16 and float16; ``quantize`` at 1, 2, 4, 8 bits and ``division`` (B=8, Q=2
 repeat times clone, copy_, encode and decode in turn (so a change of machine load hits all four alike); the
 rates are medians of the repeats after one warm-up round. ``--threads 1 2`` measures each thread count.
 
-    python benchmarks/bench_torch_path.py [--shape 16 256 56 56] [--repeats 5] [--threads N [N ...]]
-                                          [--dtypes float32 bfloat16 float16] [--out benchmarks/results/torch_path.md]
+    python benchmarks/bench_torch_path.py [--shape 16 256 56 56 | --shapes 16x256x56x56 4x256x56x56 ...]
+                                          [--repeats 5] [--threads N [N ...]] [--dtypes float32 bfloat16 float16]
+                                          [--out benchmarks/results/torch_path.md]
 """
 from __future__ import annotations
 
@@ -98,8 +99,9 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def description(rows: list[dict]) -> str:
-    shape = " x ".join(map(str, rows[0]["shape"]))
-    return (f"`backend=\"torch\"` codecs on a ReLU'd Gaussian {shape} tensor; GB/s of the input tensor (its own "
+    shapes = list(dict.fromkeys(" x ".join(map(str, r["shape"])) for r in rows))
+    shape = " and ".join(shapes) + (" tensors" if len(shapes) > 1 else " tensor")
+    return (f"`backend=\"torch\"` codecs on a ReLU'd Gaussian {shape}; GB/s of the input tensor (its own "
             f"dtype), medians of {rows[0]['repeats']} rounds after a warm-up, each round timing clone, copy_, encode "
             "and decode in turn. clone: `torch.clone` (a fresh allocation per call, the issue's baseline; its page "
             "faults per call in brackets: a large fresh allocation is mapped in by the kernel page by page, so "
@@ -108,8 +110,14 @@ def description(rows: list[dict]) -> str:
 
 
 def report(rows: list[dict], command: str, load: dict) -> str:
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
+    tables = []
+    for shape in shapes:
+        these = [r for r in rows if tuple(r["shape"]) == shape]
+        heading = [f"## {' x '.join(map(str, shape))}", ""] if len(shapes) > 1 else []
+        tables += [*heading, *table(these), ""]
     return "\n".join([
-        f"# {TITLE}", "", description(rows), "", *table(rows), "", f"Command: `{command}`", "",
+        f"# {TITLE}", "", description(rows), "", *tables, f"Command: `{command}`", "",
         f"Machine: {machine()} (threads: the table's column). Other processes used {load['other_cores']:.2f} of its "
         f"{load['cpus']} CPUs on average while this ran (1-minute load average {load['loadavg_start']:.1f} at the "
         f"start, {load['loadavg_end']:.1f} at the end): on a shared machine every rate, clone's and copy_'s "
@@ -119,17 +127,21 @@ def report(rows: list[dict], command: str, load: dict) -> str:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", type=int, nargs="+", default=[16, 256, 56, 56])
+    parser.add_argument("--shapes", nargs="+", help="several shapes, each as AxBxCxD (instead of --shape)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", help="torch thread counts to measure (default: torch's)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "torch_path.md")
     args = parser.parse_args(argv)
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes] if args.shapes else [tuple(args.shape)]
     rows = []
     with MachineLoad() as load:
-        for threads in args.threads or [torch.get_num_threads()]:
-            torch.set_num_threads(threads)
-            rows += measure(tuple(args.shape), args.repeats, dtypes=tuple(args.dtypes))
+        for shape in shapes:
+            for threads in args.threads or [torch.get_num_threads()]:
+                torch.set_num_threads(threads)
+                rows += measure(shape, args.repeats, dtypes=tuple(args.dtypes))
     command = "python benchmarks/bench_torch_path.py" + (
+        f" --shapes {' '.join(args.shapes)}" if args.shapes else
         f" --shape {' '.join(map(str, args.shape))}" if args.shape != [16, 256, 56, 56] else "") + (
         f" --repeats {args.repeats}" if args.repeats != 5 else "") + (
         f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + (

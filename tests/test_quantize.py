@@ -286,16 +286,18 @@ def _edge_inputs(dtype: torch.dtype, group_size: int) -> dict:
         parts.append(torch.randn(group_size, generator=g, dtype=torch.float64) * 1e39)    # beyond float32
     x = torch.cat(parts).to(dtype)
     long = (torch.randn(3 * (1 << 16) + 5 * group_size + 3, generator=g, dtype=torch.float64) * 2).to(dtype)
-    return {"edge groups": x, "edge groups, shifted": torch.cat([x[:5], x]), "long": long}
+    cut = 1 << 16
+    return {"edge groups": x, "edge groups, shifted": torch.cat([x[:5], x]), "long": long,
+            "long, edge groups inside": torch.cat([long[:cut], x, long[cut:], x[: 2 * group_size + 1]])}
 
 
 @pytest.mark.parametrize("stats_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", PACKED_BITS)
 def test_fast_path_edge_values_are_the_specification(bits, dtype, stats_dtype, monkeypatch):
-    """The fast path skips NaN and range handling for chunks whose groups all have finite statistics and
-    ``1 / step``, and redoes the others: the same bits as the specification either way, on chunks of 3000
-    elements (several chunks, runs of random words split across chunks)."""
+    """On tensors of more than ``CHUNK_ELEMENTS`` the fast path skips NaN and range handling, then redoes the
+    chunks holding a group without finite statistics and ``1 / step``: the same bits as the specification either
+    way, on chunks of 3000 elements (several chunks, runs of random words split across chunks)."""
     monkeypatch.setattr(quantize_format, "CHUNK_ELEMENTS", 3000)
     for group_size in (64, 49):
         for name, x in _edge_inputs(dtype, group_size).items():

@@ -198,7 +198,7 @@ def division_encode_reference(x: torch.Tensor, block: int, bits: int, seed: int,
         quantize.encode_groups(residual.view(-1), e0, plane, bits, torch.bfloat16, base, chunks.ws,
                                payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn[p0:p1], step[p0:p1], safe)
 
-    quantize.encode_chunks(encode, planes, chunks.chunk, mn, step)
+    quantize.encode_chunks(encode, planes, chunks.chunk, mn, step, planes * plane)
     return lfc, payload, mn, step
 
 

@@ -26,8 +26,12 @@ lossless raw forms (``bits=32``, ``bits=16`` of 16-bit inputs) keep the input's 
 
 Two torch implementations: ``quantize_spec`` / ``dequantize_spec`` are the specification, written to be read
 (whole-tensor temporaries); ``quantize_reference`` / ``dequantize_reference`` compute the same bits fast (what
-the codecs and the kernel tests run): chunks of whole groups bounded by ``chunk_elements(device)`` in buffers
-reused from chunk to chunk, the random numbers in int32 (``rng.uniform24_codes_``), bit packing on words.
+the codecs and the kernel tests run): chunks of whole groups bounded by ``chunk_elements(device)`` (a core's L2
+share per torch thread on CPU) in two buffers reused from chunk to chunk (8 bytes per chunk element), the random
+numbers in int32 (``rng.uniform24_codes_``), every pass over a chunk a whole-chunk torch op (about 30 per chunk,
+half of them the random numbers'), codes by int16 truncation, bit packing by one multiplication per word. On CPU,
+a large tensor skips the NaN and range handling, which only groups with non-finite statistics or ``1 / step``
+need, and encodes the chunks holding such groups again with it (``encode_chunks``).
 """
 from __future__ import annotations
 
@@ -270,19 +274,21 @@ def quantize_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype:
         encode_groups(flat[e0:e1], e0, group_size, bits, stats_dtype, base, ws,
                       payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn_out[g0:g1], step_out[g0:g1], safe)
 
-    encode_chunks(encode, groups, chunk, mn_out, step_out)
+    encode_chunks(encode, groups, chunk, mn_out, step_out, n)
     return payload, mn_out, step_out
 
 
-def encode_chunks(encode, groups: int, chunk: int, mn: torch.Tensor, step: torch.Tensor) -> None:
-    """Run ``encode(g0, safe)`` for the chunks of ``chunk`` groups starting at ``g0``, then canonicalise the NaN of
-    the statistics ``mn`` / ``step`` (in place). On CPU, where reading the statistics back is cheap, every chunk is
-    encoded without NaN and range handling (``safe=False``), then those holding a group of
-    :func:`nonfinite_groups` (NaN, +-Inf, overflow: rare) again with it; elsewhere every chunk is safe."""
-    fast = mn.device.type == "cpu"
+def encode_chunks(encode, groups: int, chunk: int, mn: torch.Tensor, step: torch.Tensor, numel: int) -> None:
+    """Run ``encode(g0, safe)`` for the chunks of ``chunk`` groups starting at ``g0`` (``numel`` elements in all),
+    then canonicalise the NaN of the statistics ``mn`` / ``step`` (in place). On CPU, where reading the
+    statistics back is cheap, a tensor of more than ``CHUNK_ELEMENTS`` elements is encoded without NaN and range
+    handling (``safe=False``), then the chunks holding a group of :func:`nonfinite_groups` (NaN, +-Inf, overflow:
+    rare) again with it; smaller tensors (where that check would cost more than it saves) and other devices (where
+    it would cost a synchronisation) are encoded safe."""
+    fast = mn.device.type == "cpu" and numel > CHUNK_ELEMENTS
     for g0 in range(0, groups, chunk):
         encode(g0, not fast)
-    if fast and groups:
+    if fast:
         bad = nonfinite_groups(mn, step)
         if bool(bad.any()):
             for c in bad.nonzero().view(-1).div(chunk, rounding_mode="floor").unique().tolist():
