@@ -1,35 +1,36 @@
 """Dense little-endian bit packing of small unsigned codes into uint8 (element i at bit (i % (8/b)) * b).
 
-Packing works on words: ``8 / b`` codes, one per byte, read as one little-endian integer word, are folded into
-its low byte by shifts and ORs (``pack_codes_``); unpacking spreads a byte back over a word (``unpack_codes_``).
-Each is a handful of whole-tensor integer passes, no per-code indexing.
+Packing works on words: ``8 / b`` codes, one per byte, read as one little-endian integer word, are gathered into
+its top byte by one multiplication (``pack_codes_``); unpacking spreads a byte back over a word by shifts and ORs
+(``unpack_codes_``). Each is a handful of whole-tensor integer passes, no per-code indexing.
 """
 from __future__ import annotations
 
 import torch
 
 PACKABLE_BITS = (1, 2, 4, 8)
-# bits -> (word dtype holding 8 / bits codes, the shifts that fold them into its low byte, the mask that keeps
-# one code per byte after spreading a byte back)
+# bits -> (word dtype holding 8 / bits codes, the shifts that spread a byte back over a word, the mask that keeps
+# one code per byte after spreading)
 _WORDS = {4: (torch.int16, (4,), 0x0F0F), 2: (torch.int32, (6, 12), 0x03030303),
           1: (torch.int64, (7, 14, 28), 0x0101010101010101)}
+# bits -> the multiplier that gathers the word's 8 / bits codes (c_i < 2**bits at bit 8i) into its top byte: c_i
+# times 2**(8 * (w - 1) - (8 - bits) * i) lands at bit 8 * (w - 1) + bits * i (w bytes a word); every other partial
+# product falls below the top byte or beyond the word, and no two overlap, so nothing carries into the top byte.
+_GATHER = {4: 0x0110, 2: 0x01041040, 1: 0x0102040810204080}
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
     return (numel * bits + 7) // 8
 
 
-def pack_codes_(codes: torch.Tensor, bits: int, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+def pack_codes_(codes: torch.Tensor, bits: int, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Pack ``codes`` (contiguous uint8 codes < 2**bits, a multiple of ``8 // bits`` of them, storage offset a
-    multiple of 8) into ``out`` (``codes.numel() * bits // 8`` bytes). ``codes`` is overwritten; ``scratch`` is a
-    uint8 tensor of at least ``codes.numel()`` bytes whose storage offset is a multiple of 8."""
-    dtype, shifts, _ = _WORDS[bits]
-    words = codes.view(dtype)
-    folded = scratch[: codes.numel()].view(dtype)
-    for shift in shifts:
-        torch.bitwise_right_shift(words, shift, out=folded)
-        words |= folded
-    return out.copy_(words.bitwise_and_(0xFF))
+    multiple of 8) into ``out`` (``codes.numel() * bits // 8`` bytes): one multiply per word gathers its codes into
+    the top byte, which a shift and the narrowing copy into ``out`` keep. ``codes`` is overwritten; ``scratch`` is
+    not used (kept for callers of the shift-and-OR version)."""
+    dtype = _WORDS[bits][0]
+    words = codes.view(dtype).mul_(_GATHER[bits])  # wraps modulo 2**(8w): only the top byte is kept
+    return out.copy_(words.bitwise_right_shift_(8 * words.element_size() - 8))  # narrowing keeps the low byte
 
 
 def unpack_codes_(packed: torch.Tensor, bits: int, codes: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     padded = codes.new_zeros(-(-codes.numel() // per_byte) * per_byte)
     padded[: codes.numel()] = codes
     out = codes.new_empty(padded.numel() // per_byte)
-    return pack_codes_(padded, bits, out, torch.empty_like(padded))
+    return pack_codes_(padded, bits, out)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:

@@ -117,9 +117,32 @@ def division_decode_spec(lfc, payload, mn, step, planes: int, spatial: tuple[int
     return canonical_nan_(residual.view(planes, *spatial).add_(upsample_nearest(lfc, spatial, block)).to(dtype))
 
 
+def subtract_upsampled_(r: torch.Tensor, wide: torch.Tensor, block: int, alpha: int = -1) -> torch.Tensor:
+    """``r + alpha * upsample_nearest(lfc)`` in place (alpha -1: the specification's subtraction, +1: its addition;
+    exact either way), ``r`` float32 ``planes x spatial``, ``wide`` the float32 block means already repeated
+    along the last spatial dim (``planes x blocks[:-1] x spatial[-1]``, see :meth:`_Planes.widen`). Each leading
+    spatial dim splits into whole blocks (a broadcast over the block's rows) and a partial last block, so every
+    operation runs along whole rows of the last dim: at most 4 operations (3 spatial dims)."""
+    pairs = [(r, wide, 1)]
+    for size in r.shape[1:-1]:
+        whole, rest = divmod(size, block)
+        split = []
+        for rv, wv, dim in pairs:
+            if whole:
+                split.append((rv.narrow(dim, 0, whole * block).unflatten(dim, (whole, block)),
+                              wv.narrow(dim, 0, whole).unsqueeze(dim + 1), dim + 2))
+            if rest:
+                split.append((rv.narrow(dim, whole * block, rest), wv.narrow(dim, whole, 1), dim + 1))
+        pairs = split
+    for rv, wv, _ in pairs:
+        rv.add_(wv, alpha=alpha)
+    return r
+
+
 class _Planes:
     """The fast path's chunking of ``planes x spatial`` and its reused buffers: chunks of whole planes whose codes
-    start on a byte, the quantize workspace, a float32 residual and a zero-padded block buffer."""
+    start on a byte, the quantize workspace, a float32 residual and (spatial dims not multiples of the block) a
+    zero-padded copy for the block sums."""
 
     def __init__(self, planes: int, spatial: tuple[int, ...], block: int, bits: int, device: torch.device):
         self.spatial, self.block, self.plane = spatial, block, math.prod(spatial)
@@ -129,33 +152,27 @@ class _Planes:
         most = min(planes, self.chunk)
         self.ws = quantize.Workspace(most * self.plane, device)
         self.residual = torch.empty(most * self.plane, dtype=torch.float32, device=device)
-        self.padded = torch.empty(most * math.prod(self.padded_spatial), dtype=torch.float32, device=device)
-        self.sizes = block_sizes(spatial, block, device)
-        self.pad = _zero_padding(spatial, block)
         self.divisible = self.padded_spatial == spatial
+        self.padded = None if self.divisible else torch.zeros(most * math.prod(self.padded_spatial),
+                                                              dtype=torch.float32, device=device)
+        self.sizes = block_sizes(spatial, block, device)
+        self.interior = (slice(None), *[slice(0, s) for s in spatial])
         self.ranges = [(p0, min(planes, p0 + self.chunk)) for p0 in range(0, planes, self.chunk)]
 
-    def add_upsampled_(self, t: torch.Tensor, lfc: torch.Tensor, alpha: int) -> torch.Tensor:
-        """``t + alpha * upsample_nearest(lfc)`` in place (alpha +-1: exact, the same bits as the specification's
-        add or subtract), ``t`` and ``lfc`` float32 ``planes x spatial`` / ``planes x blocks``."""
-        planes = t.shape[0]
-        blocked = [planes, *[d for n in self.blocks for d in (n, self.block)]]
-        lfc_blocked = lfc.view(planes, *[d for n in self.blocks for d in (n, 1)])
-        if self.divisible:
-            t.view(blocked).add_(lfc_blocked, alpha=alpha)
-            return t
-        up = self.padded[: planes * math.prod(self.padded_spatial)]
-        up.view(blocked).copy_(lfc_blocked.expand(blocked))
-        crop = (slice(None), *[slice(0, s) for s in self.spatial])
-        return t.add_(up.view(planes, *self.padded_spatial)[crop], alpha=alpha)
+    def widen(self, lfc: torch.Tensor) -> torch.Tensor:
+        """Block means ``lfc`` (``planes x blocks``, any float dtype) as float32, repeated ``block`` times along
+        the last spatial dim and cropped to it: ``planes x blocks[:-1] x spatial[-1]``, a 1 / block^(d-1) share
+        of the plane (the whole plane for 1D spatial dims)."""
+        wide = lfc.float().unsqueeze(-1).expand(*lfc.shape, self.block).flatten(-2)
+        return wide[..., : self.spatial[-1]]
 
     def low_frequency_copy(self, x: torch.Tensor) -> torch.Tensor:
-        """:func:`low_frequency_copy` of float32 planes ``x``, zero-padding in the reused buffer."""
+        """:func:`low_frequency_copy` of float32 planes ``x``, zero-padding in the reused buffer (whose padding
+        stays zero: only the interior is ever written)."""
         if self.divisible:
             return block_means(x, self.sizes, self.block)
         padded = self.padded[: x.shape[0] * math.prod(self.padded_spatial)].view(x.shape[0], *self.padded_spatial)
-        padded.zero_()
-        padded[(slice(None), *[slice(0, s) for s in self.spatial])] = x
+        padded[self.interior] = x
         return block_means(padded, self.sizes, self.block)
 
 
@@ -170,14 +187,18 @@ def division_encode_reference(x: torch.Tensor, block: int, bits: int, seed: int,
     mn = torch.empty(planes, dtype=torch.bfloat16, device=x.device)
     step = torch.empty(planes, dtype=torch.bfloat16, device=x.device)
     base = rng.stream_base(seed, key)
-    for p0, p1 in chunks.ranges:
+
+    def encode(p0: int, safe: bool) -> None:
+        p1 = min(planes, p0 + chunks.chunk)
         residual = chunks.residual[: (p1 - p0) * plane].view(p1 - p0, *spatial)
         residual.copy_(x[p0:p1])
         lfc[p0:p1] = chunks.low_frequency_copy(residual)
-        chunks.add_upsampled_(residual, lfc[p0:p1].float(), -1)
+        subtract_upsampled_(residual, chunks.widen(lfc[p0:p1]), block)
         e0, e1 = p0 * plane, p1 * plane
         quantize.encode_groups(residual.view(-1), e0, plane, bits, torch.bfloat16, base, chunks.ws,
-                               payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn[p0:p1], step[p0:p1])
+                               payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn[p0:p1], step[p0:p1], safe)
+
+    quantize.encode_chunks(encode, planes, chunks.chunk, mn, step, planes * plane)
     return lfc, payload, mn, step
 
 
@@ -194,7 +215,7 @@ def division_decode_reference(lfc, payload, mn, step, planes: int, spatial: tupl
         residual = out[p0:p1] if dtype == torch.float32 else chunks.residual[: e1 - e0].view(p1 - p0, *spatial)
         quantize.decode_groups(payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn[p0:p1], step[p0:p1], bits,
                                plane, chunks.ws, residual.view(-1), canonical_nan=False)
-        chunks.add_upsampled_(residual, lfc[p0:p1].float(), 1)
+        subtract_upsampled_(residual, chunks.widen(lfc[p0:p1]), block, alpha=1)
         if dtype != torch.float32:
             out[p0:p1] = residual
         if canonical_nan:

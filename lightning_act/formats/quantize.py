@@ -26,8 +26,12 @@ lossless raw forms (``bits=32``, ``bits=16`` of 16-bit inputs) keep the input's 
 
 Two torch implementations: ``quantize_spec`` / ``dequantize_spec`` are the specification, written to be read
 (whole-tensor temporaries); ``quantize_reference`` / ``dequantize_reference`` compute the same bits fast (what
-the codecs and the kernel tests run): chunks of whole groups bounded by ``chunk_elements(device)`` in buffers
-reused from chunk to chunk, the random numbers in int32 (``rng.uniform24_codes_``), bit packing on words.
+the codecs and the kernel tests run): chunks of whole groups bounded by ``chunk_elements(device)`` (a core's L2
+share per torch thread on CPU) in two buffers reused from chunk to chunk (8 bytes per chunk element), the random
+numbers in int32 (``rng.uniform24_codes_``), every pass over a chunk a whole-chunk torch op (about 30 per chunk,
+half of them the random numbers'), codes by int16 truncation, bit packing by one multiplication per word. On CPU,
+a large tensor skips the NaN and range handling, which only groups with non-finite statistics or ``1 / step``
+need, and encodes the chunks holding such groups again with it (``encode_chunks``).
 """
 from __future__ import annotations
 
@@ -40,15 +44,17 @@ from ._bitpack import pack_codes, pack_codes_, packed_nbytes, unpack_codes, unpa
 from .floats import canonical_nan_
 
 STATS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Elements per chunk of the fast path, whose buffers take 13 bytes per element whatever the tensor size: on CPU
-# they stay in L2 (1.6 MiB); on a GPU a chunk is 4 Mi elements (52 MiB, a GPU's L2 order), so the ~35 kernel
-# launches per chunk stay few.
+# Elements per chunk of the fast path, whose buffers take 8 bytes per element whatever the tensor size: on CPU
+# 2**17 per torch thread (each thread's share, 1 MiB of buffers, stays in its core's L2 while ~30 passes run over
+# it); on a GPU a chunk is 4 Mi elements (32 MiB, a GPU's L2 order), so the ~35 kernel launches per chunk stay few.
 CHUNK_ELEMENTS = 1 << 17
 GPU_CHUNK_ELEMENTS = 1 << 22
 
 
 def chunk_elements(device: torch.device) -> int:
-    return CHUNK_ELEMENTS if device.type == "cpu" else GPU_CHUNK_ELEMENTS
+    return CHUNK_ELEMENTS * torch.get_num_threads() if device.type == "cpu" else GPU_CHUNK_ELEMENTS
+
+
 def _div_levels(d: torch.Tensor, levels: int) -> torch.Tensor:
     """``d / levels`` as one IEEE division on every device: on CUDA, torch turns division by a Python scalar
     into a multiplication by its reciprocal (off by one ulp for levels 3, 15, 255), a tensor divisor it does not."""
@@ -114,49 +120,109 @@ def groups_per_chunk(group_size: int, bits: int, elements: int) -> int:
 
 
 class Workspace:
-    """The buffers the fast path reuses from chunk to chunk, for chunks of up to ``capacity`` elements."""
+    """The buffers the fast path reuses from chunk to chunk, for chunks of up to ``capacity`` elements: ``values``
+    (float32) and ``words`` (int32), whose bytes also hold the random words' scratch, the float32 noise and the
+    16-bit and 8-bit codes in turn (8 bytes per element in all); and the views of them a chunk shape uses."""
 
     def __init__(self, capacity: int, device: torch.device):
         capacity = -(-capacity // 8) * 8 + 8  # room to pad the codes to whole words
         self.values = torch.empty(capacity, dtype=torch.float32, device=device)
         self.words = torch.empty(capacity, dtype=torch.int32, device=device)
-        self.scratch = torch.empty(capacity, dtype=torch.int32, device=device)
-        self.codes = torch.empty(capacity, dtype=torch.uint8, device=device)
+        self._views: dict[tuple[int, int, int, int], _ChunkViews] = {}
+
+    def views(self, m: int, groups: int, group_size: int, bits: int) -> "_ChunkViews":
+        """The views of the buffers for a chunk of ``m`` elements in ``groups`` groups (built once per shape: every
+        chunk but the last shares them)."""
+        key = (m, groups, group_size, bits)
+        if key not in self._views:
+            self._views[key] = _ChunkViews(self, m, groups, group_size, bits)
+        return self._views[key]
+
+
+class _ChunkViews:
+    """Views of a :class:`Workspace` for one chunk shape, in the order :func:`encode_groups` uses them."""
+
+    def __init__(self, ws: Workspace, m: int, groups: int, group_size: int, bits: int):
+        padded = groups * group_size
+        values, words = ws.values[:padded], ws.words[:padded]
+        self.words, self.scratch, self.noise = words, values.view(torch.int32), words.view(torch.float32)
+        self.values, self.head, self.tail = values.view(groups, group_size), values[:m], values[m:]
+        self.wide = words.view(torch.int16)[:m]  # the codes, 16 bits each, then 8 (below)
+        whole = -(-m // (8 // bits)) * (8 // bits)
+        codes = ws.values.view(torch.uint8)[:whole]
+        self.codes, self.codes_head = codes, codes[:m]
+        self.codes_tail = codes[m:] if whole > m else None
+        self.last = values[m - 1] if m < padded else None
+
+
+def _group_stats(xg: torch.Tensor, levels: int, stats_dtype: torch.dtype, mn_out: torch.Tensor,
+                 step_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Statistics of the float32 groups ``xg`` as :func:`quantize_spec` computes them, written into ``mn_out`` /
+    ``step_out`` (NaN left as computed: the caller canonicalises the outputs once); returns float32 ``mn``,
+    ``step`` and ``inv`` for the elementwise pass."""
+    mx = xg.amax(dim=1)  # aminmax is slower on CPU
+    if stats_dtype == torch.float32:
+        mn = torch.amin(xg, dim=1, out=mn_out)
+        step = torch.div(mx.sub_(mn), torch.full_like(mx, levels), out=step_out)
+        return mn, step, _inverse(step)
+    mn = xg.amin(dim=1)
+    mn_s = mn_out.copy_(mn)  # rounded to nearest, then down where that went up
+    mn_s.copy_(torch.where(mn_s.float() > mn, torch.nextafter(mn_s, mn_s.new_tensor(float("-inf"))), mn_s))
+    mn = mn_s.float()
+    step = _div_levels(mx.sub_(mn), levels)
+    step_s = step_out.copy_(step)  # rounded to nearest, then up where that went down
+    step_s.copy_(torch.where(step_s.float() < step, torch.nextafter(step_s, step_s.new_tensor(float("inf"))), step_s))
+    step = step_s.float()
+    return mn, step, _inverse(step)
+
+
+def _inverse(step: torch.Tensor) -> torch.Tensor:
+    """``1 / step`` where ``step > 0``, else 0 (float32)."""
+    return torch.where(step > 0, 1.0 / step, 0.0)
+
+
+def nonfinite_groups(mn: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Groups whose stored statistics or ``1 / step`` are not finite (a boolean per group). Elsewhere ``t = (x - mn)
+    * inv + u`` is NaN-free and in ``[0, levels + 2)``: ``x - mn`` is finite and at most ``mx - mn``, ``inv``
+    about ``levels / (mx - mn)``; so the fast encode skips the NaN and range handling and redoes these groups."""
+    mn, step = mn.float(), step.float()
+    return ~(torch.isfinite(mn) & torch.isfinite(step) & torch.isfinite(_inverse(step)))
 
 
 def encode_groups(x: torch.Tensor, start: int, group_size: int, bits: int, stats_dtype: torch.dtype, base: int,
-                  ws: Workspace, payload: torch.Tensor, mn_out: torch.Tensor, step_out: torch.Tensor) -> None:
+                  ws: Workspace, payload: torch.Tensor, mn_out: torch.Tensor, step_out: torch.Tensor,
+                  safe: bool = True) -> None:
     """Encode ``x`` (a flat chunk of any float dtype: ``mn_out.numel()`` groups, the last maybe short) whose first
     element has index ``start`` in its tensor: codes into ``payload`` (starting on a byte), statistics into
-    ``mn_out`` / ``step_out``. The same bits as :func:`quantize_spec` on the whole tensor."""
+    ``mn_out`` / ``step_out`` (NaN not canonical yet: the caller canonicalises the outputs once). The same bits
+    as :func:`quantize_spec` on the whole tensor; with ``safe=False`` only where :func:`nonfinite_groups` is
+    False (the caller encodes the chunk again, safe, otherwise)."""
     m, groups = x.numel(), mn_out.numel()
-    padded, levels = groups * group_size, (1 << bits) - 1
-    if x.dtype == torch.float32 and m == padded:
-        xf = x
+    levels = (1 << bits) - 1
+    v = ws.views(m, groups, group_size, bits)
+    # random words first, with the values as their scratch; then k < 2**24 as float32 in place (exact)
+    noise = v.noise.copy_(rng.uniform24_codes_(base, start, v.words, v.scratch))
+    if x.dtype == torch.float32 and v.last is None:
+        xg = x.view(groups, group_size)
     else:  # float32 copy, the short last group padded with its last element (min and max unchanged)
-        xf = ws.values[:padded]
-        xf[:m] = x
-        xf[m:] = xf[m - 1]
-    xg = xf.view(groups, group_size)
-    mn_s, step_s = _round_stats(xg.amin(dim=1), xg.amax(dim=1), levels, stats_dtype)  # aminmax is slower
-    mn_out.copy_(mn_s)
-    step_out.copy_(step_s)
-    step32 = step_s.float()
-    inv = torch.where(step32 > 0, 1.0 / step32, torch.zeros_like(step32))
-    t = torch.sub(xg, mn_s.float()[:, None], out=ws.values[:padded].view(groups, group_size)).mul_(inv[:, None])
-    noise = rng.uniform24_codes_(base, start, ws.words[:padded], ws.scratch[:padded])
-    noise = ws.scratch[:padded].view(torch.float32).copy_(noise)  # k < 2**24 as float32: exact
-    t = t.view(-1).add_(noise, alpha=2.0**-24)  # k * 2**-24 is exact: fused or not, one rounding
-    # NaN to 0 as the specification's comparisons do; truncation to uint8 is floor on [0, levels]
-    t.nan_to_num_(0.0).clamp_(0, levels)
+        v.head.copy_(x)
+        if v.last is not None:
+            v.tail.copy_(v.last)
+        xg = v.values
+    mn, step, inv = _group_stats(xg, levels, stats_dtype, mn_out, step_out)
+    t = torch.sub(xg, mn[:, None], out=v.values).mul_(inv[:, None]).view(-1)
+    t.add_(noise, alpha=2.0**-24)  # k * 2**-24 is exact: fused or not, one rounding
+    if safe:  # NaN to 0 as the specification's comparisons do, and +-Inf into range
+        t.nan_to_num_(0.0).clamp_(0, levels)
+    # truncation is floor on t >= 0; 16-bit codes hold up to levels + 1, clamped below
+    wide = v.wide.copy_(v.head)
     if bits == 8:
-        payload.copy_(t[:m])
+        payload.copy_(wide.clamp_max_(levels))
         return
-    whole = -(-m // (8 // bits)) * (8 // bits)
-    codes = ws.codes[:whole]
-    codes[:m] = t[:m]
-    codes[m:] = 0
-    pack_codes_(codes, bits, payload, ws.scratch.view(torch.uint8))
+    v.codes_head.copy_(wide)
+    if v.codes_tail is not None:
+        v.codes_tail.zero_()
+    pack_codes_(v.codes.clamp_max_(levels), bits, payload)
 
 
 def decode_groups(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, bits: int, group_size: int,
@@ -168,9 +234,9 @@ def decode_groups(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, b
     values = ws.values[:padded]
     if bits == 8:
         values[:m] = payload
-    else:
-        codes = ws.codes[: payload.numel() * (8 // bits)]
-        values[:m] = unpack_codes_(payload, bits, codes, ws.scratch.view(torch.uint8))[:m]
+    else:  # codes in the words' bytes, the values' bytes as scratch until the codes are read
+        codes = ws.words.view(torch.uint8)[: payload.numel() * (8 // bits)]
+        values[:m] = unpack_codes_(payload, bits, codes, ws.values.view(torch.uint8))[:m]
     values[m:] = 0
     vg = values.view(groups, group_size).mul_(step.float()[:, None])
     if out.dtype == torch.float32 and m == padded:
@@ -201,12 +267,34 @@ def quantize_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype:
     chunk = groups_per_chunk(group_size, bits, chunk_elements(x.device))
     ws = Workspace(min(groups, chunk) * group_size, x.device)
     base = rng.stream_base(seed, key)
-    for g0 in range(0, groups, chunk):
+
+    def encode(g0: int, safe: bool) -> None:
         g1 = min(groups, g0 + chunk)
         e0, e1 = g0 * group_size, min(n, g1 * group_size)
         encode_groups(flat[e0:e1], e0, group_size, bits, stats_dtype, base, ws,
-                      payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn_out[g0:g1], step_out[g0:g1])
+                      payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn_out[g0:g1], step_out[g0:g1], safe)
+
+    encode_chunks(encode, groups, chunk, mn_out, step_out, n)
     return payload, mn_out, step_out
+
+
+def encode_chunks(encode, groups: int, chunk: int, mn: torch.Tensor, step: torch.Tensor, numel: int) -> None:
+    """Run ``encode(g0, safe)`` for the chunks of ``chunk`` groups starting at ``g0`` (``numel`` elements in all),
+    then canonicalise the NaN of the statistics ``mn`` / ``step`` (in place). On CPU, where reading the
+    statistics back is cheap, a tensor of more than ``CHUNK_ELEMENTS`` elements is encoded without NaN and range
+    handling (``safe=False``), then the chunks holding a group of :func:`nonfinite_groups` (NaN, +-Inf, overflow:
+    rare) again with it; smaller tensors (where that check would cost more than it saves) and other devices (where
+    it would cost a synchronisation) are encoded safe."""
+    fast = mn.device.type == "cpu" and numel > CHUNK_ELEMENTS
+    for g0 in range(0, groups, chunk):
+        encode(g0, not fast)
+    if fast:
+        bad = nonfinite_groups(mn, step)
+        if bool(bad.any()):
+            for c in bad.nonzero().view(-1).div(chunk, rounding_mode="floor").unique().tolist():
+                encode(c * chunk, True)
+    canonical_nan_(mn)
+    canonical_nan_(step)
 
 
 def dequantize_reference(payload, mn, step, numel: int, bits: int, group_size: int, dtype: torch.dtype):
