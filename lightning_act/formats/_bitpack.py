@@ -23,11 +23,10 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return (numel * bits + 7) // 8
 
 
-def pack_codes_(codes: torch.Tensor, bits: int, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def pack_codes_(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
     """Pack ``codes`` (contiguous uint8 codes < 2**bits, a multiple of ``8 // bits`` of them, storage offset a
     multiple of 8) into ``out`` (``codes.numel() * bits // 8`` bytes): one multiply per word gathers its codes into
-    the top byte, which a shift and the narrowing copy into ``out`` keep. ``codes`` is overwritten; ``scratch`` is
-    not used (kept for callers of the shift-and-OR version)."""
+    the top byte, which a shift and the narrowing copy into ``out`` keep. ``codes`` is overwritten."""
     dtype = _WORDS[bits][0]
     words = codes.view(dtype).mul_(_GATHER[bits])  # wraps modulo 2**(8w): only the top byte is kept
     return out.copy_(words.bitwise_right_shift_(8 * words.element_size() - 8))  # narrowing keeps the low byte
@@ -65,10 +64,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return unpack_codes_(packed, bits, codes, torch.empty_like(codes))[:numel]
 
 
-# 1 bit per element by 64-bit word arithmetic: two or three whole-tensor ops instead of pack_codes' dozen (the
-# mask codecs run once per ReLU and dropout, so on a GPU their launch count is host time). Products wrap modulo
-# 2**64, as torch's int64 multiply does on CPU and CUDA.
-_GATHER = 0x0102040810204080  # (8 bytes of 0/1) * this: byte k lands on bit 56 + k, no two partial products meet
+# 1 bit per element without pack_codes' padding copy and in-place passes: the mask codecs run once per ReLU and
+# dropout, so on a GPU their launch count is host time. Products wrap modulo 2**64, as torch's int64 multiply
+# does on CPU and CUDA.
 _SPREAD = 0x0101010101010101  # a byte * this: copies of it in all 8 bytes of a word
 _SELECT = 0x8040201008040201 - (1 << 64)  # keeps bit k of byte k (as a signed int64 constant)
 
@@ -83,7 +81,7 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
         padded[:numel] = codes
         codes = padded
     # the top byte of each little-endian word product holds its 8 flags
-    return (codes.view(torch.int64) * _GATHER).view(torch.uint8)[7::8].clone(memory_format=torch.contiguous_format)
+    return (codes.view(torch.int64) * _GATHER[1]).view(torch.uint8)[7::8].clone(memory_format=torch.contiguous_format)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
