@@ -93,7 +93,7 @@ def fuse_gcn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rel
     from torch_geometric.nn import GCNConv
 
     if isinstance(model, GCNConv):
-        raise ValueError("fuse_gcn swaps the GCNConv layers inside a model; for a single layer build "
+        raise TypeError("fuse_gcn swaps the GCNConv layers inside a model; for a single layer build "
                          "lightning_act.nn.SparseGCNConv and load the GCNConv's state dict")
     swaps = []
     for parent_name, parent in list(model.named_modules()):

@@ -4,11 +4,11 @@
 input's size), and its backward runs two ops: dropout's (gradient in, decoded noise, gradient out) then ReLU's
 (gradient in, decoded output, gradient out), three tensors of the input's size at a time. Both derivatives are
 one mask, ``keep = (x > 0) & kept-by-dropout``, times ``1 / (1 - p)``. :class:`ReLUDropout` computes the output
-per row chunk, saves ``keep`` bit-packed per row chunk (1 bit per element, compressed or not: packing it here
+per row chunk and saves ``keep`` bit-packed per row chunk (1 bit per element, compressed or not: packing it here
 rather than leaving bool masks to the compressor keeps a byte per element from piling up until the forward
-returns) and writes the gradient chunk by chunk into one tensor: the backward holds the incoming and the
-outgoing gradient plus one chunk of the mask. Dropout draws its own uniform noise (``torch.rand``), so its masks are not the ones
-``nn.Dropout`` would draw from the same seed.
+returns); its backward writes the gradient chunk by chunk into one tensor, holding the incoming and the outgoing
+gradient plus one chunk of the mask. Dropout draws its own uniform noise (``torch.rand``), so its masks are not
+the ones ``nn.Dropout`` would draw from the same seed.
 """
 from __future__ import annotations
 
