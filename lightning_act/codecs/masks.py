@@ -67,11 +67,16 @@ class PositiveMaskCodec(Codec):
 
 @register
 class ScaledMaskCodec(Codec):
-    """A tensor whose non-zero elements all equal one value (dropout noise) as 1 bit per element + that value."""
+    """A tensor whose non-zero elements all equal one value (dropout noise, an additive 0/-inf mask) as 1 bit
+    per element + that value. ``strict=False``: a tensor of several values is stored as it is (raw) instead of
+    raising, for op rules that cannot tell beforehand (what SDPA saves besides q, k, v)."""
 
     name = "scaled_mask"
     lossless = True
     dtypes = FLOATING
+
+    def __init__(self, strict: bool = True):
+        self.strict = strict
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
@@ -82,6 +87,8 @@ class ScaledMaskCodec(Codec):
         if not _holds_one_value(flat, scale):
             scale = _first_nonzero(flat)
             if scale is None or not _holds_one_value(flat, scale):
+                if not self.strict:
+                    return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.contiguous()})
                 raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one value; "
                                  f"got a tensor of shape {list(x.shape)} with several non-zero values")
         bits = pack_bits(n, x.device, lambda start, end, codes: torch.ne(flat[start:end], 0,
@@ -89,6 +96,8 @@ class ScaledMaskCodec(Codec):
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits, "scale": scale})
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        if "raw" in packed.buffers:
+            return packed.buffers["raw"].view(packed.shape)
         scale = packed.buffers["scale"]
         zero = scale.new_zeros(())
         out = torch.empty(packed.numel, dtype=packed.dtype, device=packed.device)
@@ -97,6 +106,8 @@ class ScaledMaskCodec(Codec):
         return out.view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
+        if packed is not None and "raw" in packed.buffers:
+            return 8.0 * x.element_size()
         return 1.0
 
 
@@ -280,6 +291,7 @@ class MaxPoolIndexCodec(Codec):
 # ---- which op saved the tensor -> codec ---------------------------------------------------------------------
 _POSITIVE_MASK = PositiveMaskCodec()
 _SCALED_MASK = ScaledMaskCodec()
+_ONE_VALUE_OR_RAW = ScaledMaskCodec(strict=False)
 _POOL_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
 _POOL_DIMS = {
     F.max_pool1d: 1, F.max_pool1d_with_indices: 1, torch.max_pool1d: 1, torch.max_pool1d_with_indices: 1,
@@ -314,3 +326,14 @@ op_rules.register_op_rule(
      torch.feature_dropout_),
     _dropout_rule)
 op_rules.register_op_rule(tuple(_POOL_DIMS), _max_pool_rule)
+
+
+def _sdpa_rule(t: torch.Tensor, call) -> Codec | None:
+    # Besides q, k, v and softmax outputs (which require grad: default codec), CPU SDPA saves its padding mask
+    # as a float 0/-inf tensor (flash path) and its dropout noise (math path). Quantized, a group holding -inf
+    # decodes to NaN and every gradient turns NaN; both are one value and zeros: 1 bit each, exact. Anything
+    # else saved without grad (a position bias, a frozen key) is kept raw.
+    return _ONE_VALUE_OR_RAW if t.is_floating_point() and not t.requires_grad else None
+
+
+op_rules.register_op_rule((F.scaled_dot_product_attention,), _sdpa_rule)
