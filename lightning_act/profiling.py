@@ -85,6 +85,8 @@ class PeakBreakdown:
     end_bytes: int
     live: tuple[LiveBlock, ...]
     older_freed_bytes: int  # frees of blocks allocated before the step that the profiler sized (see measure)
+    at_node: str = ""  # the backward node whose allocation reached the peak ("": the forward, or after backward)
+    at_op: str = ""  # the op that made that allocation
 
     def bytes_by(self, field: str = "kind", where: Callable[[LiveBlock], bool] | None = None) -> dict[str, int]:
         """Live bytes at the peak grouped by ``field`` of the blocks (those ``where`` accepts), largest first."""
@@ -98,7 +100,9 @@ class PeakBreakdown:
     def summary(self, top: int = 8) -> str:
         """A few lines: the peak, the split by kind, the largest backward groups (node, op, source)."""
         mib = 2.0**20
-        lines = [f"peak {self.peak_bytes / mib:.1f} MiB above the step's start, end {self.end_bytes / mib:.1f} MiB"]
+        where = f"in {self.at_node}" if self.at_node else "outside backward"
+        lines = [f"peak {self.peak_bytes / mib:.1f} MiB above the step's start ({where}, {self.at_op}), end "
+                 f"{self.end_bytes / mib:.1f} MiB"]
         lines.append("at the peak: " + ", ".join(f"{k} {v / mib:.1f} MiB" for k, v in self.bytes_by().items()))
         groups: dict[tuple, list[int]] = {}
         for b in self.live:
@@ -157,11 +161,11 @@ def peak_breakdown(step: Callable[[], object], parameters=None, with_stack: bool
     allocations.sort(key=lambda a: (a[0], a[1]))
     # first pass: the live bytes after each event (as measure_step_memory counts them) and the peak's event
     live = peak = 0
-    peak_index = -1
+    peak_index, peak_context = -1, ("", "", "", "")
     for i, (_, _, fields, context) in enumerate(allocations):
         live += fields.alloc_size
         if live > peak and (phase is None or (phase == "backward") == bool(context[0])):
-            peak, peak_index = live, i
+            peak, peak_index, peak_context = live, i, context
     # second pass: which blocks allocated in the step are alive after the peak's event, and at the end
     blocks: dict[int, tuple[int, int, tuple]] = {}  # ptr -> (bytes, event index, context)
     at_peak: dict[int, tuple[int, int, tuple]] = {}
@@ -186,4 +190,4 @@ def peak_breakdown(step: Callable[[], object], parameters=None, with_stack: bool
         kind = "gradient" if ptr in grads and survives else "backward" if node else "forward"
         out.append(LiveBlock(size, kind, node, op, frame, source))
     out.sort(key=lambda b: -b.nbytes)
-    return PeakBreakdown(peak, live, tuple(out), older)
+    return PeakBreakdown(peak, live, tuple(out), older, peak_context[0], peak_context[1])
