@@ -41,7 +41,7 @@ import lightning_act as act
 from bench_gpu import Method, Prepared
 from lightning_act.models import resnet8, resnet50
 from lightning_act.nn.attention import register_with_transformers
-from lightning_act.profiling import measure_step_memory, peak_breakdown
+from lightning_act.profiling import annotate_codecs, measure_step_memory, peak_breakdown
 from models import MachineLoad, bert, machine, publish
 
 MiB = 2**20
@@ -87,11 +87,11 @@ def resnet_workload(args, channels_last: bool) -> Workload:
 
 
 def _is_decode(source: str) -> bool:
-    return "dequantize" in source or "decode" in source or source.startswith("lightning_act/codecs")
+    return source.startswith("act::decode")
 
 
 def _is_compressed(source: str) -> bool:
-    return source.startswith(("lightning_act/formats", "lightning_act/codecs", "lightning_act/cuda"))
+    return source.startswith("act::encode")
 
 
 def attribute(breakdown) -> dict:
@@ -138,7 +138,8 @@ def measure(workload: Workload, method: Method, autocast: bool, breakdown: bool,
             row["ratio"], row["stored_mib"] = stats.ratio, stats.device_bytes / MiB
         if breakdown:
             model.zero_grad(set_to_none=True)
-            row.update(attribute(peak_breakdown(step, list(model.parameters()), with_stack=stack)))
+            with annotate_codecs():
+                row.update(attribute(peak_breakdown(step, list(model.parameters()), with_stack=stack)))
     finally:
         prepared.close()
         model.zero_grad(set_to_none=True)
@@ -175,7 +176,7 @@ def run_workload(workload: Workload, methods: dict, args) -> list[dict]:
                "config": name, "saved_mib": saved}
         try:
             row.update(measure(workload, method, args.autocast, not args.no_breakdown,
-                               stack=not args.no_stack and method.config is not None))
+                               stack=args.stack))
         except Exception as error:  # noqa: BLE001 - one failing row must not hide the others
             row["error"] = f"{type(error).__name__}: {error}"[:200]
         rows.append(row)
@@ -240,8 +241,8 @@ def main(argv=None) -> int:
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast (CPU)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-breakdown", action="store_true", help="skip the attribution (one profiled step less)")
-    parser.add_argument("--no-stack", action="store_true", help="attribution without Python frames (faster; "
-                        "decoded tensors then count as plain transients)")
+    parser.add_argument("--stack", action="store_true", help="record Python frames in the attribution (slower; "
+                        "encode and decode are attributed by annotations without it)")
     parser.add_argument("--tiny", action="store_true", help="tiny models: the code path in seconds")
     parser.add_argument("--out", type=Path, help="markdown report (default: print only)")
     args = parser.parse_args(argv)
