@@ -246,3 +246,69 @@ def test_scaled_mask_of_channels_last_noise_and_of_a_negative_value(dtype, scale
     codec = act.codecs.get("scaled_mask")
     decoded = codec.decode(codec.encode(noise))
     assert torch.equal(decoded, noise) and decoded.dtype == dtype
+
+
+# ---- what scaled_dot_product_attention saves besides q, k, v ----------------------------------------------------
+def _sdpa_grads(compressor, q, k, v, mask, dropout_p):
+    torch.manual_seed(0)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if compressor is None:
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, dropout_p=dropout_p)
+    else:
+        with compressor.compress():
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, dropout_p=dropout_p)
+    out.backward(torch.ones_like(out))
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_sdpa_padding_mask_and_dropout_noise_are_stored_losslessly(dropout_p):
+    """CPU SDPA saves a padding mask as a float tensor holding -inf (flash path) and its dropout noise (math path):
+    quantized, a group holding -inf decodes to NaN (the format's rule), which made every gradient NaN."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 2, 64, 16) for _ in range(3))
+    mask = torch.ones(4, 1, 64, 64, dtype=torch.bool)
+    mask[0, ..., 40:] = False
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=8, adaptive=False))
+    grads = _sdpa_grads(compressor, q, k, v, mask, dropout_p)
+    assert all(torch.isfinite(g).all() for g in grads)
+    exact = _sdpa_grads(None, q, k, v, mask, dropout_p)
+    for g, e in zip(grads, exact):
+        assert F.cosine_similarity(g.flatten(), e.flatten(), dim=0) > 0.99
+    no_grad_saved = [r for r in compressor.stats().records if r.kind == COMPRESSED and r.shape[-1] == 64]
+    assert any(r.codec == "scaled_mask" and r.bits == 1.0 for r in no_grad_saved)
+
+
+def test_sdpa_float_mask_of_several_values_is_kept_exactly():
+    """An additive float mask of several values (a position bias) that SDPA saves is not one value: kept raw."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 16) for _ in range(3))
+    bias = torch.randn(2, 1, 32, 32)
+    bias[0, ..., 20:] = float("-inf")
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=8, adaptive=False))
+    grads = _sdpa_grads(compressor, q, k, v, bias, 0.0)
+    assert all(torch.isfinite(g).all() for g in grads)
+    for g, e in zip(grads, _sdpa_grads(None, q, k, v, bias, 0.0)):
+        assert F.cosine_similarity(g.flatten(), e.flatten(), dim=0) > 0.99
+
+
+def test_scaled_mask_not_strict_keeps_several_values_raw():
+    codec = act.codecs.get("scaled_mask", strict=False)
+    x = torch.tensor([0.0, 2.0, 3.0, float("-inf")])
+    packed = codec.encode(x)
+    assert torch.equal(codec.decode(packed), x) and packed.nbytes == x.numel() * 4
+    assert codec.bits_per_element(x, packed) == 32.0
+
+
+def test_op_rules_skip_the_verification_their_op_guarantees():
+    """Dropout noise and max-pool argmax are what their masks assume by construction: the rules' codecs skip the
+    verification passes, whose result a CUDA device would have to send to the host."""
+    x = torch.randn(2, 3, 8, 8)
+    _, indices = F.max_pool2d(x, 2, return_indices=True)
+    pool_call = op_rules.FunctionCall(F.max_pool2d, (x, 2), {"return_indices": True})
+    assert op_rules.codec_for_call(pool_call, indices).check is False
+    noise = torch.ones(4, 4)
+    drop_call = op_rules.FunctionCall(F.dropout, (noise,), {})
+    assert op_rules.codec_for_call(drop_call, noise).check is False
+    with pytest.raises(ValueError, match=r"check=1; expected True or False"):
+        act.codecs.get("maxpool_index", kernel_size=2, input_size=(8, 8), check=1)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats._bitpack import pack_bits, unpack_bits
 from . import register, register_dtype_codec
+from ._chunks import pack_bits, unpack_bits
 from .base import Codec, Packed
 
 
@@ -17,11 +17,14 @@ class BitmaskCodec(Codec):
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         if x.dtype != torch.bool:
             raise ValueError(f"bitmask codec takes bool tensors; got dtype={x.dtype}")
-        bits = pack_bits(x.reshape(-1))
+        flat = x.reshape(-1).view(torch.uint8)
+        bits = pack_bits(flat.numel(), x.device, lambda start, end, codes: codes.copy_(flat[start:end]))
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits})
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        return unpack_bits(packed.buffers["bits"], packed.numel).view(packed.shape)
+        out = torch.empty(packed.numel, dtype=torch.uint8, device=packed.device)
+        unpack_bits(packed.buffers["bits"], packed.numel, lambda start, end, codes: out[start:end].copy_(codes))
+        return out.view(torch.bool).view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return 1.0

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..formats._bitpack import pack_bits, packed_nbytes, unpack_bits
+from ..formats._bitpack import pack_codes_, packed_nbytes, unpack_codes_
 from . import op_rules, register
+from ._chunks import chunk_elements, pack_bits, spans, unpack_bits
 from .base import Codec, Packed
 
 FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -50,11 +51,15 @@ class PositiveMaskCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
-        bits = pack_bits((x > 0).reshape(-1))
+        flat = x.reshape(-1)
+        bits = pack_bits(flat.numel(), x.device,
+                         lambda start, end, codes: torch.gt(flat[start:end], 0, out=codes.view(torch.bool)))
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits})
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        return unpack_bits(packed.buffers["bits"], packed.numel).to(packed.dtype).view(packed.shape)
+        out = torch.empty(packed.numel, dtype=packed.dtype, device=packed.device)
+        unpack_bits(packed.buffers["bits"], packed.numel, lambda start, end, codes: out[start:end].copy_(codes))
+        return out.view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return 1.0
@@ -62,42 +67,73 @@ class PositiveMaskCodec(Codec):
 
 @register
 class ScaledMaskCodec(Codec):
-    """A tensor whose non-zero elements all equal one value (dropout noise) as 1 bit per element + that value.
-
-    Args:
-        check: verify that the non-zeros equal one value (two more passes, and a host read of their result on
-            CUDA). ``False`` is for callers that know it by construction: the engine's dropout rule, whose noise
-            is 0 or ``1/(1-p)``.
-    """
+    """A tensor whose non-zero elements all equal one value (dropout noise, an additive 0/-inf mask) as 1 bit
+    per element + that value. ``strict=False``: a tensor of several values is stored as it is (raw) instead of
+    raising, for op rules that cannot tell beforehand (what SDPA saves besides q, k, v). ``check=False``: no
+    verification passes (and no host read of their result on CUDA), for callers that know it by construction:
+    the engine's dropout rule, whose noise is 0 or ``1/(1-p)``."""
 
     name = "scaled_mask"
     lossless = True
     dtypes = FLOATING
 
-    def __init__(self, check: bool = True):
-        if not isinstance(check, bool):
-            raise ValueError(f"check={check!r}; expected True or False")
-        self.check = check
+    def __init__(self, strict: bool = True, check: bool = True):
+        for name, value in (("strict", strict), ("check", check)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}; expected True or False")
+        self.strict, self.check = strict, check
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
         flat = x.reshape(-1)
-        nonzero = flat != 0
+        n = flat.numel()
         # dropout noise (0 or 1/(1-p)): the value is the maximum, one reduction; else the first non-zero element
-        scale = flat.amax() if flat.numel() else flat.new_zeros(())
-        if self.check and not torch.equal(torch.where(nonzero, scale, 0.0), flat):
-            scale = flat[nonzero.to(torch.uint8).argmax()].clone()  # a view would keep the input alive
-            if not torch.equal(torch.where(nonzero, scale, 0.0), flat):
+        scale = flat.amax() if n else flat.new_zeros(())
+        if self.check and not _holds_one_value(flat, scale):
+            scale = _first_nonzero(flat)
+            if scale is None or not _holds_one_value(flat, scale):
+                if not self.strict:
+                    return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.contiguous()})
                 raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one value; "
                                  f"got a tensor of shape {list(x.shape)} with several non-zero values")
-        return Packed(self.name, x.shape, x.dtype, x.device, {"bits": pack_bits(nonzero), "scale": scale})
+        bits = pack_bits(n, x.device, lambda start, end, codes: torch.ne(flat[start:end], 0,
+                                                                       out=codes.view(torch.bool)))
+        return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits, "scale": scale})
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        nonzero = unpack_bits(packed.buffers["bits"], packed.numel)
-        return torch.where(nonzero, packed.buffers["scale"], 0.0).view(packed.shape)
+        if "raw" in packed.buffers:
+            return packed.buffers["raw"].view(packed.shape)
+        scale = packed.buffers["scale"]
+        zero = scale.new_zeros(())
+        out = torch.empty(packed.numel, dtype=packed.dtype, device=packed.device)
+        unpack_bits(packed.buffers["bits"], packed.numel,
+                    lambda start, end, codes: torch.where(codes.view(torch.bool), scale, zero, out=out[start:end]))
+        return out.view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
+        if packed is not None and "raw" in packed.buffers:
+            return 8.0 * x.element_size()
         return 1.0
+
+
+def _holds_one_value(flat: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether every non-zero element of ``flat`` equals ``scale`` (NaN never does), chunk by chunk: one
+    reduction to a device flag per chunk, one host read in all."""
+    ok = torch.ones((), dtype=torch.bool, device=flat.device)
+    zero = scale.new_zeros(())
+    for start, end in spans(flat.numel(), chunk_elements(flat.device)):
+        chunk = flat[start:end]
+        ok &= torch.where(chunk != 0, scale, zero).eq_(chunk).all()
+    return bool(ok)
+
+
+def _first_nonzero(flat: torch.Tensor) -> torch.Tensor | None:
+    """The first non-zero element of ``flat`` (a 0-dim copy), or None."""
+    for start, end in spans(flat.numel(), chunk_elements(flat.device)):
+        nonzero = flat[start:end] != 0
+        if bool(nonzero.any()):
+            return flat[start + int(nonzero.to(torch.uint8).argmax())].clone()  # a view would keep x alive
+    return None
 
 
 def _int_tuple(field: str, value: Any, ndim: int, minimum: int) -> tuple[int, ...]:
@@ -117,6 +153,22 @@ def _pooled_size(size: int, kernel: int, stride: int, padding: int, dilation: in
     if ceil_mode and (out - 1) * stride >= size + padding:
         out -= 1  # the last window must start inside the input or its left padding
     return out
+
+
+def _plane_rows(x: torch.Tensor, p0: int, p1: int, per_plane: int, nd: int) -> torch.Tensor:
+    """Planes ``p0:p1`` of ``x`` (row-major over its leading dims; its last ``nd`` dims are one plane) as a
+    ``(p1 - p0, per_plane)`` tensor: a view when ``x`` is contiguous, else a copy of those planes only (a
+    channels_last tensor is never copied whole)."""
+    if x.is_contiguous():
+        return x.view(-1, per_plane)[p0:p1]
+    lead = x.shape[:-nd]
+    last = lead[-1] if lead else 1
+    rows = x.reshape(-1, last, *x.shape[x.dim() - nd:])  # merges the leading dims but the last: a view for NCHW
+    blocks = []
+    for r in range(p0 // last, -(-p1 // last)):
+        c0, c1 = max(p0 - r * last, 0), min(p1 - r * last, last)
+        blocks.append(rows[r, c0:c1].reshape(c1 - c0, per_plane))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def _unravel(flat: torch.Tensor, sizes: tuple[int, ...]) -> list[torch.Tensor]:
@@ -141,6 +193,8 @@ class MaxPoolIndexCodec(Codec):
     Args:
         kernel_size, stride, padding, dilation, ceil_mode: the pooling's arguments (``stride=None`` = kernel).
         input_size: the pooled input's spatial size (1, 2 or 3 dims); the flat indices refer to it.
+        check: verify that every index lies in its window (a host read of the result on CUDA); ``False`` for
+            callers that know it by construction: the engine's max-pool rule.
     """
 
     name = "maxpool_index"
@@ -148,7 +202,11 @@ class MaxPoolIndexCodec(Codec):
     dtypes = frozenset({torch.int64})
     logical_layout = True  # indices are flat positions in their (row-major) input plane, whatever the strides
 
-    def __init__(self, kernel_size, input_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False):
+    def __init__(self, kernel_size, input_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+                 check: bool = True):
+        if not isinstance(check, bool):
+            raise ValueError(f"check={check!r}; expected True or False")
+        self.check = check
         if isinstance(input_size, int):
             input_size = (input_size,)
         if not isinstance(input_size, (tuple, list, torch.Size)) or not 1 <= len(input_size) <= 3:
@@ -174,33 +232,68 @@ class MaxPoolIndexCodec(Codec):
         positions = torch.arange(math.prod(self.output_size), device=device)
         return [o * s - p for o, s, p in zip(_unravel(positions, self.output_size), self.stride, self.padding)]
 
+    def _planes_per_chunk(self, device: torch.device) -> int:
+        """Whole output planes per chunk (at least one), a multiple of the planes that fill whole bytes of a
+        bit-plane, so every chunk's bits start on a byte. An eighth of the float codecs' chunk: the index
+        arithmetic keeps several int64 temporaries of a chunk alive at once."""
+        per_plane = math.prod(self.output_size)
+        align = 8 // math.gcd(per_plane, 8)
+        return align * max(1, chunk_elements(device) // 8 // (per_plane * align))
+
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         per_plane = math.prod(self.output_size)
         if x.dtype != torch.int64 or x.numel() % per_plane:
             raise ValueError(f"maxpool_index codec takes int64 tensors of whole {list(self.output_size)} output "
                              f"planes; got dtype={x.dtype} with {x.numel()} elements")
-        index = x.reshape(-1, per_plane)
-        offsets = [c - start for c, start in
-                   zip(_unravel(index, self.input_size), self._window_starts(x.device))]
-        taps = [off // d for off, d in zip(offsets, self.dilation)]
-        inside = all(bool(((off % d == 0) & (t >= 0) & (t < k)).all())
-                     for off, d, t, k in zip(offsets, self.dilation, taps, self.kernel_size))
-        if not inside:
+        n, device = x.numel(), x.device
+        out = torch.empty((self.bits, packed_nbytes(n, 1)), dtype=torch.uint8, device=device)
+        starts = self._window_starts(device)
+        inside = torch.ones((), dtype=torch.bool, device=device)  # one host read in all, after the last chunk
+        planes, chunk = n // per_plane, self._planes_per_chunk(device)
+        codes = None
+        for p0, p1 in spans(planes, chunk):
+            index = _plane_rows(x, p0, p1, per_plane, len(self.input_size))
+            offsets = [c - start for c, start in zip(_unravel(index, self.input_size), starts)]
+            taps = [off // d for off, d in zip(offsets, self.dilation)]
+            for off, d, t, k in zip(offsets, self.dilation, taps, self.kernel_size):
+                if self.check:
+                    inside &= ((off % d == 0) & (t >= 0) & (t < k)).all()
+            local = _ravel(taps, self.kernel_size).reshape(-1)
+            m = local.numel()
+            whole = -(-m // 8) * 8
+            if codes is None:
+                codes = torch.empty(whole, dtype=torch.uint8, device=device)
+            byte0 = p0 * per_plane // 8
+            for b in range(self.bits):
+                codes[:m] = (local >> b) & 1
+                codes[m:whole] = 0
+                pack_codes_(codes[:whole], 1, out[b, byte0: byte0 + whole // 8])
+        if self.check and not bool(inside):
             raise ValueError(f"maxpool_index codec: an index lies outside its pooling window (kernel_size="
                              f"{self.kernel_size}, stride={self.stride}, padding={self.padding}, dilation="
                              f"{self.dilation}, input_size={self.input_size})")
-        local = _ravel(taps, self.kernel_size).reshape(-1)
-        planes = [pack_bits(((local >> b) & 1).to(torch.uint8)) for b in range(self.bits)]
-        stacked = torch.stack(planes) if planes else x.new_empty((0, packed_nbytes(x.numel(), 1)), dtype=torch.uint8)
-        return Packed(self.name, x.shape, x.dtype, x.device, {"planes": stacked})
+        return Packed(self.name, x.shape, x.dtype, x.device, {"planes": out})
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        local = torch.zeros(packed.numel, dtype=torch.int64, device=packed.device)
-        for b, plane in enumerate(packed.buffers["planes"]):
-            local |= unpack_bits(plane, packed.numel).to(torch.int64) << b
-        taps = _unravel(local.view(-1, math.prod(self.output_size)), self.kernel_size)
-        coords = [start + t * d for start, t, d in zip(self._window_starts(packed.device), taps, self.dilation)]
-        return _ravel(coords, self.input_size).view(packed.shape)
+        per_plane, n, device = math.prod(self.output_size), packed.numel, packed.device
+        out = torch.empty(n, dtype=torch.int64, device=device)
+        starts = self._window_starts(device)
+        bit_planes = packed.buffers["planes"]
+        codes = scratch = None
+        for p0, p1 in spans(n // per_plane, self._planes_per_chunk(device)):
+            e0, e1 = p0 * per_plane, p1 * per_plane
+            whole = -(-(e1 - e0) // 8) * 8
+            if codes is None:
+                codes = torch.empty(whole, dtype=torch.uint8, device=device)
+                scratch = torch.empty(whole, dtype=torch.uint8, device=device)
+            local = torch.zeros(e1 - e0, dtype=torch.int64, device=device)
+            for b in range(self.bits):
+                bits = unpack_codes_(bit_planes[b, e0 // 8: e0 // 8 + whole // 8], 1, codes[:whole], scratch)
+                local |= bits[: e1 - e0].to(torch.int64) << b
+            taps = _unravel(local.view(-1, per_plane), self.kernel_size)
+            coords = [start + t * d for start, t, d in zip(starts, taps, self.dilation)]
+            out[e0:e1].view(-1, per_plane).copy_(_ravel(coords, self.input_size))
+        return out.view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return float(self.bits)
@@ -209,6 +302,7 @@ class MaxPoolIndexCodec(Codec):
 # ---- which op saved the tensor -> codec ---------------------------------------------------------------------
 _POSITIVE_MASK = PositiveMaskCodec()
 _DROPOUT_NOISE = ScaledMaskCodec(check=False)
+_ONE_VALUE_OR_RAW = ScaledMaskCodec(strict=False)
 _POOL_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
 _POOL_DIMS = {
     F.max_pool1d: 1, F.max_pool1d_with_indices: 1, torch.max_pool1d: 1, torch.max_pool1d_with_indices: 1,
@@ -232,7 +326,8 @@ def _max_pool_rule(t: torch.Tensor, call) -> Codec | None:
     args = dict(zip(_POOL_ARGS, call.args), **call.kwargs)
     nd = _POOL_DIMS[call.func]
     return MaxPoolIndexCodec(args["kernel_size"], tuple(args["input"].shape[-nd:]), args.get("stride") or None,
-                             args.get("padding", 0), args.get("dilation", 1), bool(args.get("ceil_mode", False)))
+                             args.get("padding", 0), args.get("dilation", 1), bool(args.get("ceil_mode", False)),
+                             check=False)  # argmax indices lie in their windows by construction
 
 
 op_rules.register_op_rule(
@@ -243,3 +338,14 @@ op_rules.register_op_rule(
      torch.feature_dropout_),
     _dropout_rule)
 op_rules.register_op_rule(tuple(_POOL_DIMS), _max_pool_rule)
+
+
+def _sdpa_rule(t: torch.Tensor, call) -> Codec | None:
+    # Besides q, k, v and softmax outputs (which require grad: default codec), CPU SDPA saves its padding mask
+    # as a float 0/-inf tensor (flash path) and its dropout noise (math path). Quantized, a group holding -inf
+    # decodes to NaN and every gradient turns NaN; both are one value and zeros: 1 bit each, exact. Anything
+    # else saved without grad (a position bias, a frozen key) is kept raw.
+    return _ONE_VALUE_OR_RAW if t.is_floating_point() and not t.requires_grad else None
+
+
+op_rules.register_op_rule((F.scaled_dot_product_attention,), _sdpa_rule)

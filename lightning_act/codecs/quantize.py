@@ -13,10 +13,19 @@ from ..formats._bitpack import PACKABLE_BITS
 from ..formats.floats import FLOAT_DTYPES, canonical_nan_, check_float_input
 from ..formats.quantize import STATS_DTYPES, dequantize_reference, quantize_reference
 from . import register
+from ._chunks import chunk_elements, spans
 from .backend import check_backend
 from .base import Codec, Packed
 
 ALLOWED_BITS = (1, 2, 4, 8, 16, 32)
+
+
+def _canonical_nan_chunks(t: torch.Tensor) -> torch.Tensor:
+    """``canonical_nan_`` chunk by chunk (its NaN mask is a byte per element: a chunk's worth, not the tensor's)."""
+    flat = t.view(-1)
+    for start, end in spans(flat.numel(), chunk_elements(t.device)):
+        canonical_nan_(flat[start:end])
+    return t
 
 
 @register
@@ -45,7 +54,7 @@ class QuantizeCodec(Codec):
         if self.bits == 32 or (self.bits == 16 and x.element_size() == 2):
             return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.contiguous()}, {"bits": self.bits})
         if self.bits == 16:
-            return Packed(self.name, x.shape, x.dtype, x.device, {"raw": canonical_nan_(x.to(torch.bfloat16))},
+            return Packed(self.name, x.shape, x.dtype, x.device, {"raw": _canonical_nan_chunks(x.to(torch.bfloat16))},
                           {"bits": 16})
         meta = {"bits": self.bits, "group_size": self.group_size}
         if self.runs_kernels(x):  # the format was checked once, in __init__: the kernel path checks nothing more
@@ -65,7 +74,7 @@ class QuantizeCodec(Codec):
             raw = b["raw"]
             if raw.dtype == packed.dtype:  # lossless: the input's own bits
                 return raw.view(packed.shape)
-            return canonical_nan_(raw.to(packed.dtype)).view(packed.shape)
+            return _canonical_nan_chunks(raw.to(packed.dtype)).view(packed.shape)
         args = (b["payload"], b["mn"], b["step"], packed.numel, meta["bits"], meta["group_size"], packed.dtype)
         decode = self._decode_kernel if self.runs_kernels(b["payload"], packed.dtype) else dequantize_reference
         return decode(*args).view(packed.shape)

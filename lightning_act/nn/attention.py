@@ -1,10 +1,16 @@
-"""Memory-efficient self-attention (Rabe & Staats, 2021), GACT's CB2 ingredient.
+"""Memory-efficient self-attention (Rabe & Staats, 2021; the FlashAttention-2 backward), GACT's CB2 ingredient.
 
-Queries are processed in chunks of ``query_chunk``; within a chunk, keys and values in chunks of
-``key_chunk`` with a running max and log-sum-exp, so no (queries x keys) matrix larger than one chunk pair
-exists. Each query chunk runs inside :func:`lightning_act.checkpoint.checkpoint`: backward recomputes it,
-and what it saves (inputs and recomputed tensors) goes through the active compressor. Memory is linear in
-the sequence length for fixed chunk sizes.
+Queries are processed in chunks, and within a chunk keys and values in chunks, with a running max and
+log-sum-exp, so no (queries x keys) matrix larger than one chunk pair exists. The autograd function saves
+q, k, v and the output (through the active compressor, like any saved activation) and keeps the per-row
+log-sum-exp and the mask exactly; its backward recomputes each chunk pair's probabilities from them
+(``dS = P * (dP - rowsum(dO * O))``) and accumulates dq, dk, dv. Dropout masks are drawn per chunk pair from
+a seed, so backward regenerates them instead of storing them. Memory is linear in the sequence length:
+besides its inputs, outputs and gradients, forward and backward hold a few chunk pairs at a time.
+
+Chunk sizes: by default a chunk pair holds as many scores as ``query`` has elements (``key_chunk`` up to
+1024 keys, ``query_chunk = seq * head_dim / key_chunk``), so attention's transients are the size of the
+activations around it, whatever the sequence length.
 
 ``register_with_transformers()`` adds it to transformers' attention registry as ``"act_chunked"``, so a
 model built with ``attn_implementation="act_chunked"`` (or ``model.set_attn_implementation``) uses it.
@@ -18,69 +24,193 @@ from typing import Iterator
 import torch
 
 from .._validate import check_int
-from ..checkpoint import checkpoint
 
 ATTENTION_NAME = "act_chunked"
+MAX_KEY_CHUNK = 1024
 
 
-def _attend_query_chunk(q, k, v, mask, scale: float, key_chunk: int, dropout: float, training: bool):
-    """Attention of one query chunk over all keys, key chunk by key chunk with a running log-sum-exp."""
-    acc = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
-    running_max = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=torch.float32, device=q.device)
-    running_sum = torch.zeros_like(running_max)
-    for k0 in range(0, k.shape[-2], key_chunk):
-        scores = torch.matmul(q, k[..., k0:k0 + key_chunk, :].transpose(-1, -2)).float() * scale
-        if mask is not None:
-            scores = scores + mask[..., k0:k0 + key_chunk].float()
-        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-        # a fully masked row so far keeps max -inf: shift by 0 there instead of producing NaN
-        safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-        correction = torch.exp(running_max - safe_max)
-        weights = torch.exp(scores - safe_max)
-        running_sum = running_sum * correction + weights.sum(dim=-1, keepdim=True)
-        if dropout > 0 and training:
-            weights = torch.nn.functional.dropout(weights, dropout, training=True)
-        acc = acc * correction + torch.matmul(weights.to(v.dtype), v[..., k0:k0 + key_chunk, :]).float()
-        running_max = new_max
-    return (acc / running_sum).to(q.dtype)
+def default_chunks(query: torch.Tensor, key: torch.Tensor) -> tuple[int, int]:
+    """``(query_chunk, key_chunk)`` whose chunk pair of scores has at most as many elements as ``query``."""
+    key_chunk = max(1, min(key.shape[-2], MAX_KEY_CHUNK))
+    query_chunk = max(1, min(query.shape[-2], query.shape[-2] * query.shape[-1] // key_chunk))
+    return query_chunk, key_chunk
+
+
+def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(n, start + chunk)) for start in range(0, n, chunk)]
+
+
+def _mask_chunk(mask: torch.Tensor | None, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    rows = mask if mask.shape[-2] == 1 else mask[..., r0:r1, :]
+    return rows if rows.shape[-1] == 1 else rows[..., c0:c1]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What scores, probabilities and gradient sums are computed in: float32, float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """``q k^T * scale`` in float32 (float64 inputs: float64), the mask applied (additive, or bool: False ->
+    -inf)."""
+    s = torch.matmul(q, k.transpose(-1, -2)).to(_acc_dtype(q.dtype)).mul_(scale)
+    if mask is None:
+        return s
+    if mask.dtype == torch.bool:
+        return s.masked_fill_(~mask, float("-inf"))
+    return s.add_(mask)
+
+
+def _dropout_noise(shape, device, dropout: float, seed: int, block: int) -> torch.Tensor:
+    """The dropout noise (0 or 1/(1-p)) of chunk pair ``block``: the same in forward and backward."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed + block) % (1 << 63))
+    noise = torch.empty(shape, device=device).bernoulli_(1.0 - dropout, generator=generator)
+    return noise.div_(1.0 - dropout)
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scale, query_chunk, key_chunk, dropout, seed):
+        with torch.autocast(query.device.type, enabled=False):
+            out, lse = _attention_forward(query, key, value, mask, scale, query_chunk, key_chunk, dropout, seed)
+        ctx.save_for_backward(query, key, value, out)  # through the compressor, as every saved activation
+        # kept exactly: the log-sum-exp sets every probability's scale (1/head_dim of q's size), and an additive
+        # mask holds large negatives that a lossy codec must not touch
+        ctx.lse, ctx.mask = lse, mask
+        ctx.options = (scale, query_chunk, key_chunk, dropout, seed)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out = ctx.saved_tensors  # each decoded once
+        with torch.autocast(query.device.type, enabled=False):
+            delta = _row_delta(out, grad_out.to(query.dtype), ctx.options[1])
+            del out  # the decoded output serves only rowsum(dO * O)
+            grads = _attention_backward(query, key, value, delta, ctx.lse, ctx.mask, grad_out, *ctx.options)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _attention_forward(q, k, v, mask, scale, query_chunk, key_chunk, dropout, seed):
+    acc_dtype = _acc_dtype(q.dtype)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=acc_dtype, device=q.device)
+    key_spans = _spans(k.shape[-2], key_chunk)
+    for i, (r0, r1) in enumerate(_spans(q.shape[-2], query_chunk)):
+        q_c = q[..., r0:r1, :]
+        acc = torch.zeros(q_c.shape[:-1] + v.shape[-1:], dtype=acc_dtype, device=q.device)
+        running_max = torch.full(q_c.shape[:-1] + (1,), float("-inf"), dtype=acc_dtype, device=q.device)
+        running_sum = torch.zeros_like(running_max)
+        for j, (c0, c1) in enumerate(key_spans):
+            s = _scores(q_c, k[..., c0:c1, :], _mask_chunk(mask, r0, r1, c0, c1), scale)
+            new_max = torch.maximum(running_max, s.amax(dim=-1, keepdim=True))
+            # a row masked so far keeps max -inf: shift by 0 there instead of producing NaN
+            safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+            correction = torch.exp(running_max - safe_max)
+            p = s.sub_(safe_max).exp_()
+            running_sum = running_sum * correction + p.sum(dim=-1, keepdim=True)
+            if dropout > 0:
+                p.mul_(_dropout_noise(p.shape, p.device, dropout, seed, i * len(key_spans) + j))
+            acc = acc * correction + torch.matmul(p.to(v.dtype), v[..., c0:c1, :]).to(acc_dtype)
+            running_max = new_max
+            del s, p
+        safe_max = torch.where(torch.isfinite(running_max), running_max, torch.zeros_like(running_max))
+        # a fully masked row attends to nothing: output 0 (as SDPA's safe softmax), log-sum-exp -inf
+        out[..., r0:r1, :] = torch.where(running_sum > 0, acc / running_sum, 0.0).to(q.dtype)
+        lse[..., r0:r1] = (safe_max + running_sum.log()).squeeze(-1)
+    return out, lse
+
+
+def _accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b``: in place by a batched addmm when the dtypes agree (no product of ``acc``'s size is
+    allocated), else through the product in ``b``'s dtype."""
+    if a.dtype == b.dtype == acc.dtype:
+        try:
+            acc3 = acc.view(-1, *acc.shape[-2:])  # a view or an error, never a copy written in vain
+            acc3.baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+            return
+        except RuntimeError:
+            pass
+    acc += torch.matmul(a.to(b.dtype), b).to(acc.dtype)
+
+
+def _row_delta(out: torch.Tensor, grad_out: torch.Tensor, query_chunk: int) -> torch.Tensor:
+    """``rowsum(dO * O)`` (the softmax backward's per-row term), chunk by chunk."""
+    acc_dtype = _acc_dtype(out.dtype)
+    delta = torch.empty(out.shape[:-1] + (1,), dtype=acc_dtype, device=out.device)
+    for r0, r1 in _spans(out.shape[-2], query_chunk):
+        delta[..., r0:r1, :] = (grad_out[..., r0:r1, :].to(acc_dtype) * out[..., r0:r1, :]).sum(-1, keepdim=True)
+    return delta
+
+
+def _attention_backward(q, k, v, delta, lse, mask, grad_out, scale, query_chunk, key_chunk, dropout, seed):
+    acc_dtype = _acc_dtype(q.dtype)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    grad_out = grad_out.to(q.dtype)
+    # rows attending to nothing (log-sum-exp -inf) get probabilities exp(s - inf) = 0, not NaN
+    lse = torch.where(torch.isfinite(lse), lse, float("inf")).unsqueeze(-1)
+    key_spans = _spans(k.shape[-2], key_chunk)
+    for i, (r0, r1) in enumerate(_spans(q.shape[-2], query_chunk)):
+        q_c, do_c, delta_c = q[..., r0:r1, :], grad_out[..., r0:r1, :], delta[..., r0:r1, :]
+        dq_c = torch.zeros(q_c.shape, dtype=acc_dtype, device=q.device)
+        for j, (c0, c1) in enumerate(key_spans):
+            k_c, v_c = k[..., c0:c1, :], v[..., c0:c1, :]
+            p = _scores(q_c, k_c, _mask_chunk(mask, r0, r1, c0, c1), scale).sub_(lse[..., r0:r1, :]).exp_()
+            dp = torch.matmul(do_c, v_c.transpose(-1, -2)).to(acc_dtype)
+            if dropout > 0:  # the dropped probabilities P * noise; dS = P * (dP * noise - delta)
+                dropped = _dropout_noise(p.shape, p.device, dropout, seed, i * len(key_spans) + j).mul_(p)
+                _accumulate_(dv[..., c0:c1, :], dropped.transpose(-1, -2), do_c)
+                ds = dp.mul_(dropped).sub_(p.mul_(delta_c))
+                del dropped
+            else:  # dS = P * (dP - delta)
+                _accumulate_(dv[..., c0:c1, :], p.transpose(-1, -2), do_c)
+                ds = dp.sub_(delta_c).mul_(p)
+            del p
+            _accumulate_(dq_c, ds, k_c)
+            _accumulate_(dk[..., c0:c1, :], ds.transpose(-1, -2), q_c)
+            del ds, dp
+        dq[..., r0:r1, :] = dq_c.mul_(scale).to(q.dtype)
+    return dq, dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
 
 
 def chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None = None, scale: float | None = None,
-                      query_chunk: int = 128, key_chunk: int = 512, dropout: float = 0.0,
+                      query_chunk: int | None = None, key_chunk: int | None = None, dropout: float = 0.0,
                       training: bool = False) -> torch.Tensor:
     """``softmax(q k^T * scale + mask) v`` for ``(..., seq, dim)`` tensors, with memory linear in ``seq``.
 
-    ``attention_mask`` is additive and broadcastable to ``(..., q_seq, k_seq)``; ``key``/``value`` may have
-    fewer heads than ``query`` (grouped-query attention) when dim -3 divides.
+    ``attention_mask`` is additive (float) or boolean (True: attend) and broadcastable to ``(..., q_seq, k_seq)``;
+    it gets no gradient. ``key``/``value`` may have fewer heads than ``query`` (grouped-query attention) when
+    dim -3 divides. ``query_chunk``/``key_chunk``: rows and keys per chunk (default: :func:`default_chunks`).
+    A row whose keys are all masked out gives 0.
     """
-    check_int("query_chunk", query_chunk, minimum=1)
-    check_int("key_chunk", key_chunk, minimum=1)
     if query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         if query.shape[-3] % key.shape[-3]:
             raise ValueError(f"query has {query.shape[-3]} heads and key {key.shape[-3]}; expected a divisor")
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+    auto_q, auto_k = default_chunks(query, key)
+    query_chunk = auto_q if query_chunk is None else query_chunk
+    key_chunk = auto_k if key_chunk is None else key_chunk
+    check_int("query_chunk", query_chunk, minimum=1)
+    check_int("key_chunk", key_chunk, minimum=1)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~attention_mask, float("-inf"))
-    outputs = []
-    for q0 in range(0, query.shape[-2], query_chunk):
-        q = query[..., q0:q0 + query_chunk, :]
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask if attention_mask.shape[-2] == 1 else attention_mask[..., q0:q0 + query_chunk, :]
-        outputs.append(checkpoint(_attend_query_chunk, q, key, value, mask, scale, key_chunk, dropout, training))
-    return torch.cat(outputs, dim=-2)
+    dropout = float(dropout) if training else 0.0
+    seed = int(torch.randint(0, 1 << 62, (1,)).item()) if dropout > 0 else 0  # CPU generator: no device sync
+    if attention_mask is not None:
+        attention_mask = attention_mask.detach()  # added chunk by chunk in the scores' dtype: never copied
+    return _ChunkedAttention.apply(query, key, value, attention_mask, scale, query_chunk, key_chunk, dropout, seed)
 
 
 def transformers_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                                    scaling: float | None = None, **kwargs):
     """transformers' attention-interface signature: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
-    out = chunked_attention(query, key, value, attention_mask, scale=scaling,
-                            query_chunk=kwargs.get("query_chunk", 128), key_chunk=kwargs.get("key_chunk", 512),
-                            dropout=dropout, training=module.training)
+    out = chunked_attention(query, key, value, attention_mask, scale=scaling, query_chunk=kwargs.get("query_chunk"),
+                            key_chunk=kwargs.get("key_chunk"), dropout=dropout, training=module.training)
     return out.transpose(1, 2).contiguous(), None
 
 
