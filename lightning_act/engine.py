@@ -60,9 +60,11 @@ def _fn_kind(cls: type) -> bool | None:
 def _derives_from_leaf(t: torch.Tensor) -> bool:
     """True when ``t`` is a leaf that requires grad, or a chain of views/casts of one."""
     fn = t.grad_fn
-    if fn is None:
-        return t.requires_grad
     base = t._base
+    if fn is None:
+        # a view made where autograd records nothing (a custom Function's forward) is a parameter's only when its
+        # base is one
+        return t.requires_grad if base is None else base.grad_fn is None and base.requires_grad
     if base is not None and _fn_kind(type(fn)) is False:
         # a view's history up to its base is view ops: start at the base (one step, not one per view op)
         fn = base.grad_fn

@@ -269,3 +269,30 @@ def test_compiled_model_is_warned_about_at_the_users_line():
     with pytest.warns(UserWarning, match=r"torch.compile'd; saved-tensor hooks run after the compiled forward") as w:
         act.ActivationCompressor(model, act.ACTConfig())
     assert w[0].filename == __file__
+
+
+class _SavesHalves(torch.autograd.Function):
+    """Saves its input as two row slices: views made inside forward, where autograd records no history."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x[: x.shape[0] // 2], x[x.shape[0] // 2:], w[:1])
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        top, bottom, _ = ctx.saved_tensors
+        assert top.shape[0] + bottom.shape[0] == grad.shape[0]
+        return grad * 2, None
+
+
+def test_views_made_inside_a_custom_function_are_activations_unless_their_base_is_a_parameter():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64)
+    compressor = act.ActivationCompressor(layer, act.ACTConfig(bits=4, adaptive=False, min_numel=1))
+    with compressor.compress():
+        out = _SavesHalves.apply(layer(torch.randn(64, 64)), layer.weight)
+    out.sum().backward()
+    kinds = [r.kind for r in compressor.stats().records if r.shape in (torch.Size([32, 64]), torch.Size([1, 64]))]
+    # the halves share one storage, stored once (the second is its duplicate); the weight's row is a parameter's
+    assert kinds == ["compressed", "duplicate", "parameter"]
