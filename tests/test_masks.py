@@ -275,8 +275,10 @@ def test_sdpa_padding_mask_and_dropout_noise_are_stored_losslessly(dropout_p):
     exact = _sdpa_grads(None, q, k, v, mask, dropout_p)
     for g, e in zip(grads, exact):
         assert F.cosine_similarity(g.flatten(), e.flatten(), dim=0) > 0.99
-    no_grad_saved = [r for r in compressor.stats().records if r.kind == COMPRESSED and r.shape[-1] == 64]
-    assert any(r.codec == "scaled_mask" and r.bits == 1.0 for r in no_grad_saved)
+    records = [r for r in compressor.stats().records if r.kind == COMPRESSED]
+    assert any(r.codec == "scaled_mask" and r.bits == 1.0 and tuple(r.shape[-2:]) == (64, 64) for r in records)
+    # the flash path's log-sum-exp (batch, heads, queries) is not scores-shaped: the default codec, no host read
+    assert all(r.codec == "quantize" for r in records if tuple(r.shape) == (4, 2, 64))
 
 
 def test_sdpa_float_mask_of_several_values_is_kept_exactly():

@@ -342,10 +342,18 @@ op_rules.register_op_rule(tuple(_POOL_DIMS), _max_pool_rule)
 
 def _sdpa_rule(t: torch.Tensor, call) -> Codec | None:
     # Besides q, k, v and softmax outputs (which require grad: default codec), CPU SDPA saves its padding mask
-    # as a float 0/-inf tensor (flash path) and its dropout noise (math path). Quantized, a group holding -inf
-    # decodes to NaN and every gradient turns NaN; both are one value and zeros: 1 bit each, exact. Anything
-    # else saved without grad (a position bias, a frozen key) is kept raw.
-    return _ONE_VALUE_OR_RAW if t.is_floating_point() and not t.requires_grad else None
+    # as a float 0/-inf tensor (flash path) and its dropout noise (math path), both of the scores' shape.
+    # Quantized, a group holding -inf decodes to NaN and every gradient turns NaN; both are one value and
+    # zeros: 1 bit each, exact. A scores-shaped tensor of several values (a position bias) is kept raw; other
+    # tensors saved without grad (the log-sum-exp) keep the default codec, and no host read is spent on them.
+    if not t.is_floating_point() or t.requires_grad or t.dim() < 2:
+        return None
+    args = dict(zip(("query", "key"), call.args), **call.kwargs)
+    query, key = args.get("query"), args.get("key")
+    if not (torch.is_tensor(query) and torch.is_tensor(key)):
+        return None
+    scores_shaped = t.shape[-1] == key.shape[-2] and t.shape[-2] in (1, query.shape[-2])
+    return _ONE_VALUE_OR_RAW if scores_shaped else None
 
 
 op_rules.register_op_rule((F.scaled_dot_product_attention,), _sdpa_rule)
