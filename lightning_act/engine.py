@@ -168,6 +168,9 @@ class _Step:
         self.tracker: FunctionTracker | None = None
         # (storage ptr, dtype, version, geometry, codec) -> (weak ref to the storage, _Saved of its first save)
         self.seen: dict[tuple, tuple[StorageWeakRef, _Saved]] = {}
+        # (storage ptr, dtype, version, geometry) -> weak ref: storages whose bytes the step's original_bytes
+        # counts already (a ReLU output stored as its mask and as the next layer's values counts once)
+        self.counted: dict[tuple, StorageWeakRef] = {}
 
 
 def _storage_unit(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[torch.Tensor, tuple | None, tuple]:
@@ -347,6 +350,7 @@ class ActivationCompressor:
             self._thread.step = outer
             step.tracker = None
             step.seen.clear()  # the de-dup table must not keep compressed tensors alive past the forward
+            step.counted.clear()
 
     @property
     def current_step(self) -> "_Step | None":
@@ -507,6 +511,11 @@ class ActivationCompressor:
             return _Saved(t, _version_alias(t), None, first.packed, first.swapped, first.codec, geometry, first.side,
                           first.ticket)
 
+        counted = step.counted.get(key[:-1])
+        if counted is not None and not counted.expired():
+            original = 0  # the same storage under another codec: the step's original bytes hold it once
+        else:
+            step.counted[key[:-1]] = StorageWeakRef(storage)
         if codec is None:
             saved = self._keep(step, index, t, reason, original)
         else:

@@ -296,3 +296,20 @@ def test_views_made_inside_a_custom_function_are_activations_unless_their_base_i
     kinds = [r.kind for r in compressor.stats().records if r.shape in (torch.Size([32, 64]), torch.Size([1, 64]))]
     # the halves share one storage, stored once (the second is its duplicate); the weight's row is a parameter's
     assert kinds == ["compressed", "duplicate", "parameter"]
+
+
+def test_a_storage_stored_under_two_codecs_counts_once_in_original_bytes():
+    """A ReLU output is stored as ReLU's 1-bit mask and as the next conv's values: the step's original bytes
+    (what autograd would have kept) count its storage once, as the uncompressed step does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3))
+    x = torch.randn(4, 3, 16, 16)
+    originals = {}
+    for level, config in (("L0", act.ACTConfig(opt_level="L0")),
+                          ("4-bit", act.ACTConfig(bits=4, adaptive=False, min_numel=1))):
+        compressor = act.ActivationCompressor(model, config)
+        with compressor.compress():
+            loss = model(x).sum()
+        loss.backward()
+        originals[level] = compressor.stats().original_bytes
+    assert originals["4-bit"] == originals["L0"] > 0
