@@ -2,9 +2,9 @@
 
 A whole-tensor pass makes whole-tensor temporaries: ``(x > 0)`` is a byte per element, bit packing pads a copy and
 takes a scratch of the same size, decoding to float goes through unpacked bytes. Here every pass runs over chunks
-of ``chunk_elements(device)`` elements (the quantize reference's chunk: 128 Ki on CPU, 4 Mi on a GPU) in two
-byte buffers reused from chunk to chunk, so an encode allocates its payload and a decode its output, plus
-workspaces of a chunk's size (issue #17: a decoded activation, not its temporaries, is what backward holds).
+of ``chunk_elements(device)`` elements (the quantize reference's chunk: 128 Ki per torch thread on CPU, 4 Mi on a
+GPU): packing fills one byte buffer reused from chunk to chunk, unpacking spreads a chunk's bytes over words, so
+an encode allocates its payload and a decode its output, plus workspaces of a chunk's size (issue #17: a decoded activation, not its temporaries, is what backward holds).
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..formats._bitpack import pack_codes_, packed_nbytes, unpack_codes_
+from ..formats._bitpack import pack_codes_, packed_nbytes
+from ..formats._bitpack import unpack_bits as unpack_flags
 from ..formats.quantize import chunk_elements
 
 __all__ = ["chunk_elements", "pack_bits", "spans", "unpack_bits"]
@@ -24,11 +25,9 @@ def spans(n: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield start, min(n, start + chunk)
 
 
-def _workspace(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _workspace(n: int, device: torch.device) -> tuple[torch.Tensor, int]:
     chunk = chunk_elements(device)  # a multiple of 8: every chunk but the last starts on a byte of the payload
-    size = -(-min(n, chunk) // 8) * 8
-    return (torch.empty(size, dtype=torch.uint8, device=device), torch.empty(size, dtype=torch.uint8, device=device),
-            chunk)
+    return torch.empty(-(-min(n, chunk) // 8) * 8, dtype=torch.uint8, device=device), chunk
 
 
 def pack_bits(n: int, device: torch.device, fill: Callable[[int, int, torch.Tensor], None],
@@ -40,7 +39,7 @@ def pack_bits(n: int, device: torch.device, fill: Callable[[int, int, torch.Tens
         out = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8, device=device)
     if n == 0:
         return out
-    codes_ws, scratch, chunk = _workspace(n, device)
+    codes_ws, chunk = _workspace(n, device)
     for start, end in spans(n, chunk):
         m = end - start
         whole = -(-m // 8) * 8
@@ -54,12 +53,6 @@ def pack_bits(n: int, device: torch.device, fill: Callable[[int, int, torch.Tens
 
 def unpack_bits(packed: torch.Tensor, n: int, emit: Callable[[int, int, torch.Tensor], None]) -> None:
     """Inverse of :func:`pack_bits`: ``emit(start, end, codes)`` receives elements ``start:end`` as 0/1 uint8
-    (a view of a workspace, valid until ``emit`` returns)."""
-    if n == 0:
-        return
-    codes_ws, scratch, chunk = _workspace(n, packed.device)
-    for start, end in spans(n, chunk):
-        m = end - start
-        whole = -(-m // 8) * 8
-        codes = unpack_codes_(packed[start // 8: start // 8 + whole // 8], 1, codes_ws[:whole], scratch)
-        emit(start, end, codes[:m])
+    (valid until ``emit`` returns)."""
+    for start, end in spans(n, chunk_elements(packed.device)):
+        emit(start, end, unpack_flags(packed[start // 8: -(-end // 8)], end - start).view(torch.uint8))
