@@ -511,11 +511,12 @@ class ActivationCompressor:
             return _Saved(t, _version_alias(t), None, first.packed, first.swapped, first.codec, geometry, first.side,
                           first.ticket)
 
+        storage_ref = StorageWeakRef(storage)  # one weak reference serves both tables
         counted = step.counted.get(key[:-1])
         if counted is not None and not counted.expired():
             original = 0  # the same storage under another codec: the step's original bytes hold it once
         else:
-            step.counted[key[:-1]] = StorageWeakRef(storage)
+            step.counted[key[:-1]] = storage_ref
         if codec is None:
             saved = self._keep(step, index, t, reason, original)
         else:
@@ -530,7 +531,7 @@ class ActivationCompressor:
             self._record(step, index, t, COMPRESSED, codec.name, codec.bits_per_element(unit, packed), original, stored,
                          offloaded=swapped is not None, error_bound=codec.error_bound)
             saved = _Saved(t, _version_alias(t), None, packed, swapped, codec, geometry, side, ticket)
-        step.seen[key] = (StorageWeakRef(storage), saved)
+        step.seen[key] = (storage_ref, saved)
         return saved
 
     def _decide(self, step: "_Step", index: int, t: torch.Tensor,

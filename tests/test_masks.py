@@ -314,3 +314,19 @@ def test_op_rules_skip_the_verification_their_op_guarantees():
     assert op_rules.codec_for_call(drop_call, noise).check is False
     with pytest.raises(ValueError, match=r"check=1; expected True or False"):
         act.codecs.get("maxpool_index", kernel_size=2, input_size=(8, 8), check=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_positive_mask_and_bitmask_round_trip_every_layout_and_float64(dtype, memory_format):
+    """The chunked 1-bit codecs on a tensor larger than one chunk, channels_last or not, float64 included."""
+    from lightning_act.formats.quantize import chunk_elements
+
+    torch.manual_seed(0)
+    channels = 2 * chunk_elements(torch.device("cpu")) // (9 * 10) + 3  # spans several chunks, a ragged last one
+    x = torch.randn(1, channels, 9, 10).to(dtype).contiguous(memory_format=memory_format)
+    positive = act.codecs.get("positive_mask")
+    assert torch.equal(positive.decode(positive.encode(x)), (x > 0).to(dtype))
+    bitmask = act.codecs.get("bitmask")
+    mask = x > 0
+    assert torch.equal(bitmask.decode(bitmask.encode(mask)), mask)

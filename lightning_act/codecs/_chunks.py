@@ -13,10 +13,10 @@ from typing import Callable, Iterator
 import torch
 
 from ..formats._bitpack import pack_codes_, packed_nbytes
-from ..formats._bitpack import unpack_bits as unpack_flags
+from ..formats._bitpack import unpack_bits
 from ..formats.quantize import chunk_elements
 
-__all__ = ["chunk_elements", "pack_bits", "spans", "unpack_bits"]
+__all__ = ["chunk_elements", "pack_chunks", "spans", "unpack_chunks"]
 
 
 def spans(n: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -30,7 +30,7 @@ def _workspace(n: int, device: torch.device) -> tuple[torch.Tensor, int]:
     return torch.empty(-(-min(n, chunk) // 8) * 8, dtype=torch.uint8, device=device), chunk
 
 
-def pack_bits(n: int, device: torch.device, fill: Callable[[int, int, torch.Tensor], None],
+def pack_chunks(n: int, device: torch.device, fill: Callable[[int, int, torch.Tensor], None],
               out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack ``n`` bits: ``fill(start, end, codes)`` writes elements ``start:end`` as 0/1 into the uint8 tensor
     ``codes`` (``end - start`` of them, a chunk at most). Returns ``out`` (or a new ``packed_nbytes(n, 1)``-byte
@@ -51,8 +51,8 @@ def pack_bits(n: int, device: torch.device, fill: Callable[[int, int, torch.Tens
     return out
 
 
-def unpack_bits(packed: torch.Tensor, n: int, emit: Callable[[int, int, torch.Tensor], None]) -> None:
-    """Inverse of :func:`pack_bits`: ``emit(start, end, codes)`` receives elements ``start:end`` as 0/1 uint8
+def unpack_chunks(packed: torch.Tensor, n: int, emit: Callable[[int, int, torch.Tensor], None]) -> None:
+    """Inverse of :func:`pack_chunks`: ``emit(start, end, codes)`` receives elements ``start:end`` as 0/1 uint8
     (valid until ``emit`` returns)."""
     for start, end in spans(n, chunk_elements(packed.device)):
-        emit(start, end, unpack_flags(packed[start // 8: -(-end // 8)], end - start).view(torch.uint8))
+        emit(start, end, unpack_bits(packed[start // 8: -(-end // 8)], end - start).view(torch.uint8))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..formats._bitpack import pack_codes_, packed_nbytes, unpack_codes_
 from . import op_rules, register
-from ._chunks import chunk_elements, pack_bits, spans, unpack_bits
+from ._chunks import chunk_elements, pack_chunks, spans, unpack_chunks
 from .base import Codec, Packed
 
 FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -52,13 +52,13 @@ class PositiveMaskCodec(Codec):
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
         flat = x.reshape(-1)
-        bits = pack_bits(flat.numel(), x.device,
+        bits = pack_chunks(flat.numel(), x.device,
                          lambda start, end, codes: torch.gt(flat[start:end], 0, out=codes.view(torch.bool)))
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits})
 
     def decode(self, packed: Packed) -> torch.Tensor:
         out = torch.empty(packed.numel, dtype=packed.dtype, device=packed.device)
-        unpack_bits(packed.buffers["bits"], packed.numel, lambda start, end, codes: out[start:end].copy_(codes))
+        unpack_chunks(packed.buffers["bits"], packed.numel, lambda start, end, codes: out[start:end].copy_(codes))
         return out.view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
@@ -96,7 +96,7 @@ class ScaledMaskCodec(Codec):
                     return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.contiguous()})
                 raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one value; "
                                  f"got a tensor of shape {list(x.shape)} with several non-zero values")
-        bits = pack_bits(n, x.device, lambda start, end, codes: torch.ne(flat[start:end], 0,
+        bits = pack_chunks(n, x.device, lambda start, end, codes: torch.ne(flat[start:end], 0,
                                                                        out=codes.view(torch.bool)))
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits, "scale": scale})
 
@@ -106,7 +106,7 @@ class ScaledMaskCodec(Codec):
         scale = packed.buffers["scale"]
         zero = scale.new_zeros(())
         out = torch.empty(packed.numel, dtype=packed.dtype, device=packed.device)
-        unpack_bits(packed.buffers["bits"], packed.numel,
+        unpack_chunks(packed.buffers["bits"], packed.numel,
                     lambda start, end, codes: torch.where(codes.view(torch.bool), scale, zero, out=out[start:end]))
         return out.view(packed.shape)
 
