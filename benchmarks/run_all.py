@@ -53,6 +53,7 @@ from torch import nn  # noqa: E402
 
 import bench_torch_path  # noqa: E402
 import lightning_act as act  # noqa: E402
+from bench_gpu import METHODS, Prepared  # noqa: E402
 from bench_max_batch import search_in_children  # noqa: E402
 from lightning_act.adapt.error_bound import ErrorBoundController  # noqa: E402
 from lightning_act.adapt import AutoPrecision  # noqa: E402
@@ -76,6 +77,8 @@ CONFIGS = {
     "lorenzo eb=1e-2": act.ACTConfig(codec="lorenzo", error_bound=1e-2),
     "CB1 (4-bit + checkpointing)": act.ACTConfig(opt_level="CB1", adaptive=False),
     "CB2 (CB1 + chunked attention)": act.ACTConfig(opt_level="CB2", adaptive=False),
+    # the peer every PyTorch user has: a bench_gpu.METHODS name, applied around each step in a compressor's place
+    "torch checkpoint": "torch checkpoint",
 }
 
 
@@ -104,7 +107,8 @@ FULL = Scale(
     models={"ResNet-50": ("resnet", 32, {"size": 64}), "BERT": ("bert", 8, {"seq": 128, "layers": 4}),
             "GCN": ("gcn", 10000, {})},
     memory_configs=tuple(CONFIGS), repeats=3,
-    budgets_mib={"ResNet-50": 384, "BERT": 256}, batch_configs=("baseline", "quantize 4-bit", "quantize 2-bit"),
+    budgets_mib={"ResNet-50": 384, "BERT": 256},
+    batch_configs=("baseline", "quantize 4-bit", "quantize 2-bit", "torch checkpoint"),
     max_batch=4096, batch_tolerance=0.03, throughput_mib=(1, 16, 256, 1024), lorenzo_max_mib=256, seeds=(0, 1, 2),
     digits={"epochs": 3, "steps": None}, graph={"epochs": 100},
     text={"train": 384, "eval": 400, "length": 32, "epochs": 2, "batch": 8, "lr": 5e-5},
@@ -112,7 +116,7 @@ FULL = Scale(
 QUICK = Scale(
     models={"ResNet-50": ("resnet", 16, {"size": 32}), "BERT": ("bert", 2, {"seq": 32, "layers": 1}),
             "GCN": ("gcn", 500, {})},
-    memory_configs=("baseline", "quantize 2-bit"), repeats=1,
+    memory_configs=("baseline", "quantize 2-bit", "torch checkpoint"), repeats=1,
     budgets_mib={"ResNet-50": 192}, batch_configs=("baseline", "quantize 2-bit"), max_batch=512, batch_tolerance=0.25,
     throughput_mib=(1,), lorenzo_max_mib=1, seeds=(0,), digits={"epochs": 1, "steps": 6}, graph={"epochs": 5},
     text=None, batch_models={"ResNet-50": {"size": 16}}, torch_path_shape=(2, 8, 16, 16))
@@ -131,16 +135,37 @@ def _command(quick: bool, out: Path) -> str:
 
 
 # ---- 1. peak memory and step time --------------------------------------------------------------------------
+class PeerStep:
+    """A peer technique (a ``bench_gpu.METHODS`` name) in a compressor's place in ``train_step``: applied to the
+    model for each step's forward only, so the configurations can take turns step by step."""
+
+    def __init__(self, model: nn.Module, method: str):
+        self.model, self.method = model, METHODS[method]
+
+    @contextlib.contextmanager
+    def compress(self):
+        prepared = Prepared(self.method, self.model, torch.device("cpu"), autocast=False)
+        try:
+            yield self
+        finally:
+            prepared.close()  # the backward recomputes through the functions the forward captured
+
+
+def _stepper(model: nn.Module, config):
+    if config is None:
+        return None
+    return PeerStep(model, config) if isinstance(config, str) else act.ActivationCompressor(model, config)
+
+
 def memory_and_time(scale: Scale) -> list[dict]:
     rows = []
     for name, (builder, size, options) in scale.models.items():
         model, loss_fn = getattr(models, builder)(size, **options)
         configs = [c for c in scale.memory_configs if (name, c) not in NOT_RUN]
-        compressors = {c: None if CONFIGS[c] is None else act.ActivationCompressor(model, CONFIGS[c])
-                       for c in configs}
+        compressors = {c: _stepper(model, CONFIGS[c]) for c in configs}
         average_bits = {}
         for config, compressor in compressors.items():
-            if compressor is not None and compressor.config.adaptive:  # L1: one full auto-precision round
+            if isinstance(compressor, act.ActivationCompressor) and compressor.config.adaptive:  # L1: one round
                 auto = AutoPrecision(compressor)
                 auto.adapt(0, lambda c=compressor: train_step(model, loss_fn, c))
                 average_bits[config] = auto.average_bits
@@ -149,14 +174,17 @@ def memory_and_time(scale: Scale) -> list[dict]:
         train_step(model, loss_fn, plain)
         saved = plain.stats().device_bytes
         for config, compressor in compressors.items():
-            stats = (compressor or plain).stats()
-            rows.append({"model": name, "size": size, "config": config,
-                         "peak_mib": statistics.median(measured[config]["peak_bytes"]) / MiB,
-                         "peaks_mib": [p / MiB for p in measured[config]["peak_bytes"]],
-                         "saved_mib": saved / MiB, "stored_mib": stats.device_bytes / MiB,
-                         "ratio": saved / stats.device_bytes, "stats_original_mib": stats.original_bytes / MiB,
-                         "stats_ratio": stats.ratio, "average_bits": average_bits.get(config),
-                         "step_ms": statistics.median(measured[config]["seconds"]) * 1e3})
+            row = {"model": name, "size": size, "config": config,
+                   "peak_mib": statistics.median(measured[config]["peak_bytes"]) / MiB,
+                   "peaks_mib": [p / MiB for p in measured[config]["peak_bytes"]], "saved_mib": saved / MiB,
+                   "stored_mib": None, "ratio": None, "stats_original_mib": None, "stats_ratio": None,
+                   "average_bits": average_bits.get(config),
+                   "step_ms": statistics.median(measured[config]["seconds"]) * 1e3}
+            if not isinstance(compressor, PeerStep):  # a peer stores no compressed bytes to count
+                stats = (compressor or plain).stats()
+                row.update(stored_mib=stats.device_bytes / MiB, ratio=saved / stats.device_bytes,
+                           stats_original_mib=stats.original_bytes / MiB, stats_ratio=stats.ratio)
+            rows.append(row)
         base = next(r for r in rows if r["model"] == name and r["config"] == "baseline")
         for r in rows:
             if r["model"] == name:
@@ -438,7 +466,7 @@ def summary_rows(results: dict) -> tuple[list[str], list[list]]:
         row = [config]
         for m in models:
             r = next((r for r in memory if r["model"] == m and r["config"] == config), None)
-            row.append("-" if r is None else f"{r['ratio']:.1f}x / {_fmt(r['peak_reduction'], '.2f')} / "
+            row.append("-" if r is None else f"{_fmt(r['ratio'], '.1f', 'x')} / {_fmt(r['peak_reduction'], '.2f')} / "
                                              f"{r['time_ratio']:.2f}")
         for m in batch_models:
             r = next((r for r in batch if r["model"] == m and r["config"] == config), None)
@@ -488,8 +516,8 @@ def report(results: dict, command: str, load: dict) -> str:
                   "between steps) and the codecs' temporaries while they encode and decode.", "",
                   *_table(["model", "batch/nodes", "config", "saved MiB", "stored MiB", "ratio", "peak MiB",
                            "peak ÷", "step ms", "time ×"],
-                          [[r["model"], r["size"], r["config"], f"{r['saved_mib']:.1f}", f"{r['stored_mib']:.1f}",
-                            f"{r['ratio']:.2f}x", f"{r['peak_mib']:.1f}", _fmt(r["peak_reduction"], ".2f"),
+                          [[r["model"], r["size"], r["config"], f"{r['saved_mib']:.1f}", _fmt(r["stored_mib"], ".1f"),
+                            _fmt(r["ratio"], ".2f", "x"), f"{r['peak_mib']:.1f}", _fmt(r["peak_reduction"], ".2f"),
                             f"{r['step_ms']:.0f}", f"{r['time_ratio']:.2f}"] for r in results["memory"]]), "",
                   *[f"Not run: {config} on {model}: {why}." for (model, config), why in NOT_RUN.items()
                     if any(r["model"] == model for r in results["memory"])
@@ -577,7 +605,7 @@ def plots(results: dict, out: Path, caption: str) -> list[Path]:
         fig, grouped = panels(results["memory"], "model", 4.2)
         for ax, model, rows in grouped:
             ax.bar([r["config"] for r in rows], [r["peak_mib"] for r in rows], label="peak of the step")
-            ax.bar([r["config"] for r in rows], [r["stored_mib"] for r in rows], width=0.4, label="stored activations")
+            ax.bar([r["config"] for r in rows], [r["stored_mib"] or 0 for r in rows], width=0.4, label="stored activations")
             ax.set_title(f"{model} ({'nodes' if model == 'GCN' else 'batch'} {rows[0]['size']}): training step",
                          fontsize=9)
             ax.set_ylabel("MiB")

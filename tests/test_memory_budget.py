@@ -138,6 +138,33 @@ def _profiles():
     return units
 
 
+def test_units_that_change_their_input_in_place_are_never_checkpointed():
+    # a flat Sequential (ResNet's stem as units): recomputing ReLU(inplace=True) from its saved input would change
+    # a leaf in place in backward; the planner must leave such a unit to the codecs, even at its most aggressive
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 10))
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False))
+
+    def step():
+        with compressor.compress():
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+
+    planner = MemoryBudget(compressor, 1)  # no plan fits: every unit takes its most aggressive option
+    with pytest.warns(RuntimeWarning, match="cannot be met"):
+        plan = planner.plan(step)
+    try:
+        assert [n for n, u in plan.units.items() if not u.checkpointable] == ["2", OUTSIDE]
+        assert plan.options["2"] != "checkpoint"
+        model.zero_grad(set_to_none=True)
+        step()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    finally:
+        planner.remove()
+
+
 def test_solver_meets_the_target_at_the_least_cost_and_prefers_eight_bits_when_they_fit():
     planner = MemoryBudget(act.ActivationCompressor(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))), "1GiB")
     mib = 1 << 20

@@ -81,6 +81,8 @@ class UnitProfile:
     input_bytes: int = 0
     forward_seconds: float = 0.0
     sensitivity: float | None = None
+    # a unit that changes its input in place cannot be recomputed from it (nor can the rest of the model)
+    checkpointable: bool = True
 
     def stored_bytes(self, option: str) -> int:
         """Device bytes the unit's saved tensors hold under ``option`` (between forward and backward)."""
@@ -249,6 +251,7 @@ class MemoryBudget:
         backward, on top of the gradients it holds)."""
         params = [p for p in self.compressor.model.parameters() if p.requires_grad]
         profiles = {name: UnitProfile(name) for name in [*self.units, OUTSIDE]}
+        profiles[OUTSIDE].checkpointable = False  # what runs outside the units is no module to recompute
         forward_time = _UnitTimer(self.units, device)
         rewind()
         with LayerStats(self.compressor.model, self.compressor, lambda m: self.units) as layers, \
@@ -266,8 +269,10 @@ class MemoryBudget:
         for name, seconds in forward_time.seconds.items():
             profiles[name].forward_seconds = seconds
             profiles[name].input_bytes = forward_time.input_bytes[name]
+            profiles[name].checkpointable = name not in forward_time.mutates_input
         base = max(peak - sum(s.stored_bytes for s in per_layer.values()), 0)
-        all_checkpointed = {name: "checkpoint" for name in self.units} | {OUTSIDE: "q4"}
+        all_checkpointed = {name: "checkpoint" if profiles[name].checkpointable else "q4" for name in self.units}
+        all_checkpointed[OUTSIDE] = "q4"
         self.apply(all_checkpointed)
         try:
             rewind()
@@ -283,7 +288,7 @@ class MemoryBudget:
 
     def _solve(self, profiles, base, recompute, target, byte_seconds, swap_seconds, device) -> BudgetPlan:
         options = {name: "keep" for name in profiles}
-        allowed = {name: [o for o in OPTIONS if (o != "checkpoint" or name != OUTSIDE)
+        allowed = {name: [o for o in OPTIONS if (o != "checkpoint" or profiles[name].checkpointable)
                           and (o != "swap" or device.type == "cuda")] for name in profiles}
         total_kept = sum(u.kept_bytes for u in profiles.values()) or 1
         total_sensitivity = sum(u.sensitivity or 0.0 for u in profiles.values())
@@ -411,7 +416,9 @@ class _UnitTimer:
         self.units, self.device = units, device
         self.seconds = {name: 0.0 for name in units}
         self.input_bytes = {name: 0 for name in units}
+        self.mutates_input: set[str] = set()  # units whose forward changed an input in place (ReLU(inplace=True))
         self._started: dict[str, float] = {}
+        self._versions: dict[str, list[tuple[torch.Tensor, int]]] = {}
         self._handles: list = []
 
     def _now(self) -> float:
@@ -432,9 +439,13 @@ class _UnitTimer:
 
     def _enter(self, name: str, module: nn.Module, args) -> None:
         self._started[name] = self._now()
-        self.input_bytes[name] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self.input_bytes[name] = sum(a.numel() * a.element_size() for a in tensors)
+        self._versions[name] = [(a, a._version) for a in tensors]
 
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
+        if any(a._version != version for a, version in self._versions.pop(name, ())):
+            self.mutates_input.add(name)
         if name in self._started and torch.is_grad_enabled():
             self.seconds[name] += self._now() - self._started.pop(name)
 
