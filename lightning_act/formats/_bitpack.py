@@ -67,8 +67,6 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 # 1 bit per element without pack_codes' padding copy and in-place passes: the mask codecs run once per ReLU and
 # dropout, so on a GPU their launch count is host time. Products wrap modulo 2**64, as torch's int64 multiply
 # does on CPU and CUDA.
-_SPREAD = 0x0101010101010101  # a byte * this: copies of it in all 8 bytes of a word
-_SELECT = 0x8040201008040201 - (1 << 64)  # keeps bit k of byte k (as a signed int64 constant)
 
 
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:
@@ -84,9 +82,20 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     return (codes.view(torch.int64) * _GATHER[1]).view(torch.uint8)[7::8].clone(memory_format=torch.contiguous_format)
 
 
+# device -> the (256, 8) bool table whose row b holds the bits of byte b, least significant first: unpacking is
+# one gather of rows (two kernels with the index conversion, against four word passes)
+_BIT_ROWS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_rows(device: torch.device) -> torch.Tensor:
+    rows = _BIT_ROWS.get(device)
+    if rows is None:  # built on the device (no host copy), once per device
+        byte = torch.arange(256, dtype=torch.int32, device=device)
+        rows = _BIT_ROWS[device] = ((byte[:, None] >> torch.arange(8, dtype=torch.int32, device=device)) & 1).bool()
+    return rows
+
+
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``numel`` flags, as a bool tensor."""
-    words = packed.to(torch.int64, memory_format=torch.contiguous_format)
-    words *= _SPREAD
-    words &= _SELECT
-    return words.view(torch.uint8)[:numel].bool()
+    flags = torch.index_select(_bit_rows(packed.device), 0, packed.int()).view(-1)
+    return flags if flags.numel() == numel else flags[:numel]
