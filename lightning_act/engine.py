@@ -476,13 +476,15 @@ class ActivationCompressor:
                 self._record(step, index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
                 return _kept(t, watch=False)
             return self._keep(step, index, t, f"{kind.__name__} on {t.device.type}", 0, watch=False)
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
         shape, dtype, version = t.shape, t.dtype, t._version
-        if kind is nn.Parameter or ptr in step.param_storages or _derives_from_leaf(t):
+        storage = None if kind is nn.Parameter else t.untyped_storage()
+        fn = t.grad_fn  # an op's output (the common activation) needs no walk to a leaf
+        if storage is None or storage.data_ptr() in step.param_storages or (
+                (fn is None or _FN_KINDS[type(fn)] is not None) and _derives_from_leaf(t)):
             records.append(TensorRecord(index, shape, dtype, PARAMETER, "none", 8.0 * t.element_size(), 0, 0, "",
                                         step.phase))
             return _Saved(t, version, shape, t)
+        ptr = storage.data_ptr()
 
         if t.is_contiguous():
             # its own memory range, read in place: the chunks of a split, saved one by one, are stored apart
@@ -555,20 +557,26 @@ class ActivationCompressor:
                 return self.codec("none"), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
         codec = None
-        if step.tracker is not None and numel >= config.min_numel:
+        tracker = step.tracker
+        if tracker is not None and numel >= config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly
-            codec = op_rules.codec_for_call(step.tracker.current, t)
+            call = tracker.current
+            rule = op_rules.OP_RULES.get(call.func) if call is not None else None
+            if rule is not None:
+                codec = rule(t, call)
+        dtype = t.dtype
         if codec is None:
-            if t.dtype is torch.bool and not config.compress_masks:
-                return None, "mask compression off"
-            if not (t.is_floating_point() or t.dtype is torch.bool):
-                return None, f"{t.dtype} values"
+            if dtype is torch.bool:
+                if not config.compress_masks:
+                    return None, "mask compression off"
+            elif not t.is_floating_point():
+                return None, f"{dtype} values"
             if numel < max(config.min_numel, 1):
                 return None, f"fewer than min_numel={config.min_numel} elements"
             codec = self.codec_for(index, t)
-        if codec.dtypes is not None and t.dtype not in codec.dtypes:
+        if codec.dtypes is not None and dtype not in codec.dtypes:
             # a dtype the codec cannot take is kept exactly, never an error inside autograd's hook
-            return None, f"{t.dtype} not taken by codec {codec.name!r}"
+            return None, f"{dtype} not taken by codec {codec.name!r}"
         return codec, ""
 
     @staticmethod
