@@ -29,7 +29,7 @@ class BitmaskCodec(Codec):
     def decode(self, packed: Packed) -> torch.Tensor:
         n, bits = packed.numel, packed.buffers["bits"]
         if n <= chunk_elements(packed.device):
-            return unpack_bits(bits, n).view(packed.shape)
+            return unpack_bits(bits, n, packed.shape)
         out = torch.empty(n, dtype=torch.uint8, device=packed.device)
         unpack_chunks(bits, n, lambda start, end, codes: out[start:end].copy_(codes))
         return out.view(torch.bool).view(packed.shape)

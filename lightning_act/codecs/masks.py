@@ -63,7 +63,7 @@ class PositiveMaskCodec(Codec):
     def decode(self, packed: Packed) -> torch.Tensor:
         n, bits = packed.numel, packed.buffers["bits"]
         if n <= chunk_elements(packed.device):
-            return unpack_bits(bits, n).view(packed.shape).to(packed.dtype)
+            return unpack_bits(bits, n, packed.shape).to(packed.dtype)
         out = torch.empty(n, dtype=packed.dtype, device=packed.device)
         unpack_chunks(bits, n, lambda start, end, codes: out[start:end].copy_(codes))
         return out.view(packed.shape)
@@ -118,7 +118,7 @@ class ScaledMaskCodec(Codec):
             return buffers["raw"].view(packed.shape)
         scale = buffers["scale"]
         if n <= chunk_elements(packed.device):
-            return torch.where(unpack_bits(buffers["bits"], n).view(packed.shape), scale, 0.0)
+            return torch.where(unpack_bits(buffers["bits"], n, packed.shape), scale, 0.0)
         zero = scale.new_zeros(())
         out = torch.empty(n, dtype=packed.dtype, device=packed.device)
         unpack_chunks(buffers["bits"], n,

@@ -72,14 +72,13 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """Pack a flat tensor of 0/1 bytes (uint8 or bool) into ``packed_nbytes(numel, 1)`` bytes, the layout of
     ``pack_codes(flags, 1)``."""
-    codes = flags.view(torch.uint8)
-    numel = codes.numel()
-    if numel % 8 or codes.storage_offset() % 8:
-        padded = codes.new_zeros(numel + (-numel % 8))
-        padded[:numel] = codes
-        codes = padded
-    # the top byte of each little-endian word product holds its 8 flags
-    return (codes.view(torch.int64) * _GATHER[1]).view(torch.uint8)[7::8].clone(memory_format=torch.contiguous_format)
+    numel = flags.numel()
+    if numel % 8 or flags.storage_offset() % 8:
+        padded = flags.new_zeros(numel + (-numel % 8))
+        padded[:numel] = flags
+        flags = padded
+    # the top byte of each little-endian word product holds its 8 flags; the narrowing cast keeps the low byte
+    return (flags.view(torch.int64) * _GATHER[1]).bitwise_right_shift_(56).to(torch.uint8)
 
 
 # device -> the (256, 8) bool table whose row b holds the bits of byte b, least significant first: unpacking is
@@ -95,7 +94,10 @@ def _bit_rows(device: torch.device) -> torch.Tensor:
     return rows
 
 
-def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` flags, as a bool tensor."""
-    flags = torch.index_select(_bit_rows(packed.device), 0, packed.int()).view(-1)
-    return flags if flags.numel() == numel else flags[:numel]
+def unpack_bits(packed: torch.Tensor, numel: int, shape: tuple[int, ...] = (-1,)) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` flags, as a bool tensor (of ``shape``, ``numel``
+    elements, when given)."""
+    flags = torch.index_select(_bit_rows(packed.device), 0, packed.int())
+    if numel % 8:
+        return flags.view(-1)[:numel].view(shape)
+    return flags.view(shape)
