@@ -49,8 +49,10 @@ class _FnKinds(dict):
 
     def __missing__(self, cls: type) -> bool | None:
         name = cls.__name__
-        kind = self[cls] = (True if name == "AccumulateGrad" else False if name.rstrip("0123456789") in _VIEW_OR_CAST_FNS
-                            else None)
+        if name == "AccumulateGrad":
+            kind = self[cls] = True
+        else:
+            kind = self[cls] = False if name.rstrip("0123456789") in _VIEW_OR_CAST_FNS else None
         return kind
 
 

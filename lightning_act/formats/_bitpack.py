@@ -81,23 +81,32 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     return (flags.view(torch.int64) * _GATHER[1]).bitwise_right_shift_(56).to(torch.uint8)
 
 
-# device -> the (256, 8) bool table whose row b holds the bits of byte b, least significant first: unpacking is
-# one gather of rows (two kernels with the index conversion, against four word passes)
-_BIT_ROWS: dict[torch.device, torch.Tensor] = {}
+# (device, dtype) -> the (256, 8) table whose row b holds the bits of byte b as 0/1 of dtype, least significant
+# first: unpacking is one gather of rows (two kernels with the index conversion, against four word passes and a
+# conversion)
+_BIT_ROWS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _bit_rows(device: torch.device) -> torch.Tensor:
-    rows = _BIT_ROWS.get(device)
-    if rows is None:  # built on the device (no host copy), once per device
+def bit_rows(device: torch.device, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """The (256, 8) table whose row b holds the bits of byte b as 0/1 of ``dtype``, least significant first."""
+    rows = _BIT_ROWS.get((device, dtype))
+    if rows is None:  # built on the device (no host copy), once per device and dtype
         byte = torch.arange(256, dtype=torch.int32, device=device)
-        rows = _BIT_ROWS[device] = ((byte[:, None] >> torch.arange(8, dtype=torch.int32, device=device)) & 1).bool()
+        bits = (byte[:, None] >> torch.arange(8, dtype=torch.int32, device=device)) & 1
+        rows = _BIT_ROWS[(device, dtype)] = bits.to(dtype)
     return rows
 
 
-def unpack_bits(packed: torch.Tensor, numel: int, shape: tuple[int, ...] = (-1,)) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` flags, as a bool tensor (of ``shape``, ``numel``
-    elements, when given)."""
-    flags = torch.index_select(_bit_rows(packed.device), 0, packed.int())
+def unpack_rows(packed: torch.Tensor, numel: int, shape: tuple[int, ...], rows: torch.Tensor) -> torch.Tensor:
+    """Byte b of ``packed`` as row b of ``rows`` (a (256, 8) table): the first ``numel`` values, in ``shape``."""
+    values = torch.index_select(rows, 0, packed.int())
     if numel % 8:
-        return flags.view(-1)[:numel].view(shape)
-    return flags.view(shape)
+        return values.view(-1)[:numel].view(shape)
+    return values.view(shape)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int, shape: tuple[int, ...] = (-1,),
+                dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` flags, as a bool tensor (of ``shape``, ``numel``
+    elements, when given; as 0/1 of ``dtype`` when given)."""
+    return unpack_rows(packed, numel, shape, bit_rows(packed.device, dtype))
