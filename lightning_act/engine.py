@@ -518,8 +518,7 @@ class ActivationCompressor:
         if codec is None:
             saved = self._keep(step, index, t, reason, original)
         else:
-            policy = self._policies["noise"]
-            noise = step.noise_base ^ index if policy is None else policy(step.number, index)
+            noise = self.noise_key(index, step)
             side = self.side_stream
             if side is not None and codec.side_stream_safe and side.takes(unit):
                 packed, ticket = side.encode(codec, unit, noise)
