@@ -43,18 +43,20 @@ def active_compressor() -> "ActivationCompressor | None":
     return getattr(_ACTIVE, "compressor", None)
 
 
-# grad_fn class -> True (AccumulateGrad), False (a view or cast: walk on) or None (anything else); filled as
-# classes are met, so the pack hook compares class objects instead of names.
-_FN_KINDS: dict[type, bool | None] = {}
+class _FnKinds(dict):
+    """grad_fn class -> True (AccumulateGrad), False (a view or cast: walk on) or None (anything else), filled as
+    classes are met: the pack hook compares class objects, one lookup each, instead of names."""
 
-
-def _fn_kind(cls: type) -> bool | None:
-    kind = _FN_KINDS.get(cls, ...)
-    if kind is ...:
+    def __missing__(self, cls: type) -> bool | None:
         name = cls.__name__
-        kind = True if name == "AccumulateGrad" else False if name.rstrip("0123456789") in _VIEW_OR_CAST_FNS else None
-        _FN_KINDS[cls] = kind
-    return kind
+        if name == "AccumulateGrad":
+            kind = self[cls] = True
+        else:
+            kind = self[cls] = False if name.rstrip("0123456789") in _VIEW_OR_CAST_FNS else None
+        return kind
+
+
+_FN_KINDS = _FnKinds()
 
 
 def _derives_from_leaf(t: torch.Tensor) -> bool:
@@ -65,13 +67,13 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
         # a view made where autograd records nothing (a custom Function's forward) is a parameter's only when its
         # base is one
         return t.requires_grad if base is None else base.grad_fn is None and base.requires_grad
-    if base is not None and _fn_kind(type(fn)) is False:
+    if base is not None and _FN_KINDS[type(fn)] is False:
         # a view's history up to its base is view ops: start at the base (one step, not one per view op)
         fn = base.grad_fn
         if fn is None:
             return base.requires_grad
     for _ in range(_MAX_VIEW_DEPTH):
-        kind = _fn_kind(type(fn))
+        kind = _FN_KINDS[type(fn)]
         if kind is not False:
             return bool(kind)
         inputs = [f for f, _ in fn.next_functions if f is not None]
@@ -122,12 +124,13 @@ class _Saved:
     __slots__ = ("watched", "version", "shape", "tensor", "packed", "swapped", "codec", "geometry", "side",
                  "ticket")
 
-    def __init__(self, t: torch.Tensor, watched: torch.Tensor | None, tensor: torch.Tensor | None = None,
-                 packed: Packed | None = None, swapped: "SwapHandle | None" = None, codec: Codec | None = None,
-                 geometry: tuple | None = None, side: SideStreamEncoder | None = None, ticket: int = 0):
+    def __init__(self, watched: torch.Tensor | None, version: int, shape: torch.Size,
+                 tensor: torch.Tensor | None = None, packed: Packed | None = None, swapped: "SwapHandle | None" = None,
+                 codec: Codec | None = None, geometry: tuple | None = None, side: SideStreamEncoder | None = None,
+                 ticket: int = 0):
         self.watched = watched
-        self.version = t._version
-        self.shape = t.shape
+        self.version = version  # of the saved tensor when it was saved
+        self.shape = shape
         self.tensor = tensor  # kept as it is
         self.packed = packed  # compressed form of the tensor (of its shape), or of its whole storage (flat)
         self.swapped = swapped  # ... or that form moved to host memory
@@ -148,7 +151,7 @@ class _Saved:
 
 
 def _kept(t: torch.Tensor, watch: bool = True) -> _Saved:
-    return _Saved(t, t if watch else None, tensor=t)
+    return _Saved(t if watch else None, t._version, t.shape, t)
 
 
 class _Step:
@@ -166,31 +169,26 @@ class _Step:
         self.records: list[TensorRecord] = [] if records is None else records
         self.phase = phase
         self.tracker: FunctionTracker | None = None
-        # (storage ptr, dtype, version, geometry, codec) -> (weak ref to the storage, _Saved of its first save)
-        self.seen: dict[tuple, tuple[StorageWeakRef, _Saved]] = {}
-        # (storage ptr, dtype, version, geometry) -> weak ref: storages whose bytes the step's original_bytes
-        # counts already (a ReLU output stored as its mask and as the next layer's values counts once)
-        self.counted: dict[tuple, StorageWeakRef] = {}
+        # (storage ptr, dtype, version, memory range or view geometry) -> [weak reference to the storage, or None
+        # where a kept tensor holds it alive; {codec name (None: kept): _Saved of its first save}]: what is stored of
+        # each range, once per codec, and counted once in the step's original bytes (a ReLU output stored as its
+        # mask and as the next layer's values counts once)
+        self.stored: dict[tuple, list] = {}
 
 
-def _storage_unit(t: torch.Tensor, storage: torch.UntypedStorage) -> tuple[torch.Tensor, tuple | None, tuple]:
-    """What a memory-order codec compresses for ``t`` (whose storage is ``storage``): the tensor itself when it
-    is its whole storage, contiguous (no view is made: the codec reads it in memory order and decodes it in its
-    shape), else its whole storage in memory order, flat, when ``t`` is a view covering most of it
+def _view_unit(t: torch.Tensor, storage: torch.UntypedStorage, head: tuple) -> tuple[torch.Tensor, tuple | None, tuple]:
+    """What a memory-order codec compresses for a non-contiguous ``t`` (whose storage is ``storage``; ``head``: its
+    data pointer, dtype and version): its whole storage in memory order, flat, when ``t`` covers most of it
     (channels_last and other permuted layouts, stride-0 expansions and transposes then cost their real storage,
-    and views of one storage are stored once), else a contiguous copy. Returns ``(unit, geometry to rebuild t
-    from the decoded storage, de-duplication key)``."""
+    and views of one storage are stored once, under the key of the contiguous tensor filling it), else a
+    contiguous copy. Returns ``(unit, geometry to rebuild t from the decoded unit, de-duplication key)``."""
     nbytes = storage.nbytes()
     itemsize = t.element_size()
-    numel = t.numel()
-    if numel * itemsize == nbytes and t.is_contiguous() and t.storage_offset() == 0:
-        return t, None, (storage.data_ptr(), t.dtype, t._version, None)
     storage_numel = nbytes // itemsize
-    if nbytes % itemsize == 0 and 0 < storage_numel <= 2 * numel:
+    if nbytes % itemsize == 0 and 0 < storage_numel <= 2 * t.numel():
         flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage_numel,))
-        geometry = (tuple(t.shape), t.stride(), t.storage_offset())
-        return flat, geometry, (storage.data_ptr(), t.dtype, t._version, None)
-    return t.contiguous(), None, (storage.data_ptr(), t.dtype, t._version, _geometry(t))
+        return flat, _geometry(t), head + (0, storage_numel)
+    return t.contiguous(), None, head + (_geometry(t),)
 
 
 class ModelPreparation(Protocol):
@@ -349,8 +347,7 @@ class ActivationCompressor:
         finally:
             self._thread.step = outer
             step.tracker = None
-            step.seen.clear()  # the de-dup table must not keep compressed tensors alive past the forward
-            step.counted.clear()
+            step.stored.clear()  # the de-dup table must not keep saved tensors alive past the forward
 
     @property
     def current_step(self) -> "_Step | None":
@@ -469,94 +466,118 @@ class ActivationCompressor:
         return _kept(t, watch)
 
     def _pack(self, step: "_Step", t: torch.Tensor) -> _Saved:
-        # The hot path (every saved tensor): attribute reads and identity tests first, each check once, and no
-        # torch op beyond the codec's own, the version alias and the storage's weak reference.
-        index = len(step.records)
-        if t.layout is not torch.strided:
-            # kept as it is, counted once per step (a GNN's adjacency is saved by every layer)
-            parts = _sparse_parts(t)
-            key = ("sparse", t.layout, tuple(t.shape)) + tuple(x.untyped_storage().data_ptr() for x in parts)
-            hit = step.seen.get(key)
-            if hit is not None and not hit[0].expired():
-                self._record(step, index, t, DUPLICATE, "none", 0.0, 0, 0)
-                return _kept(t, watch=False)
-            if parts:
-                step.seen[key] = (StorageWeakRef(parts[-1].untyped_storage()), None)
-            nbytes = sum(x.numel() * x.element_size() for x in parts)
-            return self._keep(step, index, t, "sparse", nbytes, watch=False)
+        # The hot path (every saved tensor): attribute reads and identity tests first, each check once, one table
+        # lookup, and no torch op beyond the codec's own, the version alias and the storage's weak reference.
+        records = step.records
+        index = len(records)
         kind = type(t)
+        if t.layout is not torch.strided:
+            return self._pack_sparse(step, index, t)
         if (kind is not torch.Tensor and kind is not nn.Parameter) or t.is_meta:
             if _derives_from_leaf(t):  # a DTensor parameter (FSDP2 with tensor parallelism) or a view of one
                 self._record(step, index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
                 return _kept(t, watch=False)
             return self._keep(step, index, t, f"{kind.__name__} on {t.device.type}", 0, watch=False)
-        storage = t.untyped_storage()
-        if kind is nn.Parameter or storage.data_ptr() in step.param_storages or _derives_from_leaf(t):
-            self._record(step, index, t, PARAMETER, "none", 8.0 * t.element_size(), 0, 0)
-            return _kept(t)
+        shape, dtype, version = t.shape, t.dtype, t._version
+        storage = None if kind is nn.Parameter else t.untyped_storage()
+        fn = t.grad_fn  # an op's output (the common activation) needs no walk to a leaf
+        if storage is None or storage.data_ptr() in step.param_storages or (
+                (fn is None or _FN_KINDS[type(fn)] is not None) and _derives_from_leaf(t)):
+            records.append(TensorRecord(index, shape, dtype, PARAMETER, "none", 8.0 * t.element_size(), 0, 0, "",
+                                        step.phase))
+            return _Saved(t, version, shape, t)
+        ptr = storage.data_ptr()
 
-        unit, geometry, key = _storage_unit(t, storage)
-        original = unit.numel() * unit.element_size()
-        codec, reason = self._decide(step, index, t, unit)
+        if t.is_contiguous():
+            # its own memory range, read in place: the chunks of a split, saved one by one, are stored apart
+            unit, geometry, numel = t, None, t.numel()
+            key = (ptr, dtype, version, t.storage_offset(), numel)
+        else:
+            unit, geometry, key = _view_unit(t, storage, (ptr, dtype, version))
+            numel = unit.numel()
+        codec, reason = self._decide(step, index, t, numel)
         if codec is not None and codec.logical_layout:
             # the codec reads the tensor's own shape (planes, pooling windows), not its storage in memory order
-            unit, geometry, key = t, None, key[:3] + (_geometry(t),)
-        key += (codec.name if codec is not None else None,)  # a mask and the values of one storage differ
-        hit = step.seen.get(key)
-        if hit is not None and not hit[0].expired():
-            first = hit[1]
-            self._record(step, index, t, DUPLICATE, codec.name if codec is not None else "none", 0.0, 0, 0)
-            if first.tensor is not None:
-                return _kept(t)
-            return _Saved(t, _version_alias(t), None, first.packed, first.swapped, first.codec, geometry, first.side,
-                          first.ticket)
-
-        storage_ref = StorageWeakRef(storage)  # one weak reference serves both tables
-        counted = step.counted.get(key[:-1])
-        if counted is not None and not counted.expired():
-            original = 0  # the same storage under another codec: the step's original bytes hold it once
+            unit, geometry, key = t, None, (ptr, dtype, version, _geometry(t))
+        name = codec.name if codec is not None else None  # a mask and the values of one storage differ
+        stored = step.stored
+        entry = stored.get(key)
+        if entry is not None and (entry[0] is None or not entry[0].expired()):
+            first = entry[1].get(name)
+            if first is not None:
+                records.append(TensorRecord(index, shape, dtype, DUPLICATE, name or "none", 0.0, 0, 0, "",
+                                            step.phase))
+                if first.tensor is not None:
+                    return _Saved(t, version, shape, t)
+                return _Saved(_version_alias(t), version, shape, None, first.packed, first.swapped, first.codec,
+                              geometry, first.side, first.ticket)
+            original = 0  # the same range under another codec: the step's original bytes hold it once
         else:
-            step.counted[key[:-1]] = storage_ref
+            entry = None
+            original = numel * t.element_size()
         if codec is None:
             saved = self._keep(step, index, t, reason, original)
         else:
+            noise = self.noise_key(index, step)
             side = self.side_stream
             if side is not None and codec.side_stream_safe and side.takes(unit):
-                packed, ticket = side.encode(codec, unit, self.noise_key(index, step))
+                packed, ticket = side.encode(codec, unit, noise)
             else:
-                packed, side, ticket = codec.encode(unit, key=self.noise_key(index, step)), None, 0
-            stored, swapped = packed.nbytes, None
+                packed, side, ticket = codec.encode(unit, key=noise), None, 0
+            nbytes, swapped = packed.nbytes, None
             if self.swap_store is not None and step.phase == "forward":  # recomputed tensors live briefly
                 swapped, packed = self.swap_store.put(step.number, index, packed), None
-            self._record(step, index, t, COMPRESSED, codec.name, codec.bits_per_element(unit, packed), original, stored,
-                         offloaded=swapped is not None, error_bound=codec.error_bound)
-            saved = _Saved(t, _version_alias(t), None, packed, swapped, codec, geometry, side, ticket)
-        step.seen[key] = (storage_ref, saved)
+            records.append(TensorRecord(index, shape, dtype, COMPRESSED, name, codec.bits_per_element(unit, packed),
+                                        original, nbytes, "", step.phase, swapped is not None, codec.error_bound))
+            saved = _Saved(_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side, ticket)
+        if entry is None:  # a kept tensor holds its storage alive; else a weak reference tells a freed one
+            stored[key] = [None if saved.tensor is not None else StorageWeakRef(storage), {name: saved}]
+        else:
+            entry[1][name] = saved
         return saved
 
-    def _decide(self, step: "_Step", index: int, t: torch.Tensor,
-                unit: torch.Tensor) -> tuple[Codec | None, str]:
-        """The codec for an activation, or ``None`` and the reason it is kept as it is."""
-        config, numel = self.config, unit.numel()
+    def _pack_sparse(self, step: "_Step", index: int, t: torch.Tensor) -> _Saved:
+        """Kept as it is, counted once per step (a GNN's adjacency is saved by every layer)."""
+        parts = _sparse_parts(t)
+        key = ("sparse", t.layout, tuple(t.shape)) + tuple(x.untyped_storage().data_ptr() for x in parts)
+        if key in step.stored:  # held alive by the kept tensor of its first save
+            self._record(step, index, t, DUPLICATE, "none", 0.0, 0, 0)
+            return _kept(t, watch=False)
+        nbytes = sum(x.numel() * x.element_size() for x in parts)
+        saved = self._keep(step, index, t, "sparse", nbytes, watch=False)
+        if parts:
+            step.stored[key] = [None, {None: saved}]
+        return saved
+
+    def _decide(self, step: "_Step", index: int, t: torch.Tensor, numel: int) -> tuple[Codec | None, str]:
+        """The codec for an activation whose unit has ``numel`` elements, or ``None`` and the reason it is kept as
+        it is."""
+        config = self.config
         if not config.enabled:
             if config.swap and t.is_floating_point() and numel >= max(config.min_numel, 1):
                 return self.codec("none"), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
         codec = None
-        if step.tracker is not None and numel >= config.min_numel:
+        tracker = step.tracker
+        if tracker is not None and numel >= config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly
-            codec = op_rules.codec_for_call(step.tracker.current, t)
+            call = tracker.current
+            rule = op_rules.OP_RULES.get(call.func) if call is not None else None
+            if rule is not None:
+                codec = rule(t, call)
+        dtype = t.dtype
         if codec is None:
-            if t.dtype is torch.bool and not config.compress_masks:
-                return None, "mask compression off"
-            if not (t.is_floating_point() or t.dtype is torch.bool):
-                return None, f"{t.dtype} values"
+            if dtype is torch.bool:
+                if not config.compress_masks:
+                    return None, "mask compression off"
+            elif not t.is_floating_point():
+                return None, f"{dtype} values"
             if numel < max(config.min_numel, 1):
                 return None, f"fewer than min_numel={config.min_numel} elements"
             codec = self.codec_for(index, t)
-        if codec.dtypes is not None and t.dtype not in codec.dtypes:
+        if codec.dtypes is not None and dtype not in codec.dtypes:
             # a dtype the codec cannot take is kept exactly, never an error inside autograd's hook
-            return None, f"{t.dtype} not taken by codec {codec.name!r}"
+            return None, f"{dtype} not taken by codec {codec.name!r}"
         return codec, ""
 
     @staticmethod

@@ -294,8 +294,43 @@ def test_views_made_inside_a_custom_function_are_activations_unless_their_base_i
         out = _SavesHalves.apply(layer(torch.randn(64, 64)), layer.weight)
     out.sum().backward()
     kinds = [r.kind for r in compressor.stats().records if r.shape in (torch.Size([32, 64]), torch.Size([1, 64]))]
-    # the halves share one storage, stored once (the second is its duplicate); the weight's row is a parameter's
-    assert kinds == ["compressed", "duplicate", "parameter"]
+    # the halves are two ranges of one storage, each stored on its own; the weight's row is a parameter's
+    assert kinds == ["compressed", "compressed", "parameter"]
+
+
+class _SavesChunksAndViews(torch.autograd.Function):
+    """Saves the two halves of ``x.split()`` (a chunked layer's chunks) and two views covering ``y``'s storage;
+    its backward unpacks each saved tensor alone and notes the bytes of the storage it was decoded into."""
+
+    decoded: list[int] = []
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(*x.split(x.shape[0] // 2), y, y.t())
+        return x * 2, y * 2
+
+    @staticmethod
+    def backward(ctx, gx, gy):
+        from lightning_act.nn._chunks import unpack_saved
+
+        _SavesChunksAndViews.decoded = [unpack_saved(ctx, i).untyped_storage().nbytes() for i in range(4)]
+        return gx * 2, gy * 2
+
+
+def test_the_chunks_of_a_split_are_stored_and_decoded_apart():
+    """Each half of a split is its own memory range: stored, counted and decoded on its own (the first half used
+    to store the whole storage and the second to be its duplicate, so unpacking either decoded both). A view
+    covering a storage (a transpose) still shares the stored storage of the contiguous tensor filling it."""
+    x, y = torch.randn(64, 128, requires_grad=True), torch.randn(96, 80, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=8, adaptive=False, min_numel=1))
+    with compressor.compress():
+        out = _SavesChunksAndViews.apply(x * 1.0, y * 1.0)  # activations
+    sum(o.sum() for o in out).backward()
+    half = 32 * 128 * 4
+    records = compressor.stats().records
+    assert [r.kind for r in records] == [COMPRESSED, COMPRESSED, COMPRESSED, DUPLICATE]
+    assert [r.original_bytes for r in records] == [half, half, y.nbytes, 0]
+    assert _SavesChunksAndViews.decoded == [half, half, y.nbytes, y.nbytes]
 
 
 def test_a_storage_stored_under_two_codecs_counts_once_in_original_bytes():

@@ -330,3 +330,24 @@ def test_positive_mask_and_bitmask_round_trip_every_layout_and_float64(dtype, me
     bitmask = act.codecs.get("bitmask")
     mask = x > 0
     assert torch.equal(bitmask.decode(bitmask.encode(mask)), mask)
+
+
+@pytest.mark.parametrize("chunks", [1, 3], ids=["one chunk", "several chunks"])
+def test_checked_scaled_mask_decides_alike_on_one_chunk_and_several(chunks):
+    """The one-chunk fast path (one comparison) and the chunked one (a device flag per chunk) take the same
+    tensors: all zeros and a 0/-inf additive mask at 1 bit; several values, or a NaN, raw (strict=False)."""
+    from lightning_act.formats.quantize import chunk_elements
+
+    n = (chunks - 1) * chunk_elements(torch.device("cpu")) + 13
+    codec = act.codecs.get("scaled_mask", strict=False)
+    additive = torch.zeros(n)
+    additive[1::3] = float("-inf")
+    several = additive.clone()
+    several[-1] = 2.0
+    with_nan = torch.zeros(n)
+    with_nan[[2, -2]] = float("nan")
+    for x, stored_raw in ((torch.zeros(n), False), (additive, False), (several, True), (with_nan, True)):
+        packed = codec.encode(x)
+        assert ("raw" in packed.buffers) == stored_raw
+        torch.testing.assert_close(codec.decode(packed), x, rtol=0, atol=0, equal_nan=True)
+        assert packed.nbytes == (4 * n if stored_raw else math.ceil(n / 8) + 4)

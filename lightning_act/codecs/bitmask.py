@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from . import register, register_dtype_codec
-from ._chunks import pack_chunks, unpack_chunks
+from ..formats._bitpack import pack_bits, unpack_bits
+from ._chunks import chunk_elements, pack_chunks, unpack_chunks
 from .base import Codec, Packed
 
 
@@ -18,12 +19,19 @@ class BitmaskCodec(Codec):
         if x.dtype != torch.bool:
             raise ValueError(f"bitmask codec takes bool tensors; got dtype={x.dtype}")
         flat = x.reshape(-1).view(torch.uint8)
-        bits = pack_chunks(flat.numel(), x.device, lambda start, end, codes: codes.copy_(flat[start:end]))
+        n = flat.numel()
+        if n <= chunk_elements(x.device):
+            bits = pack_bits(flat)
+        else:
+            bits = pack_chunks(n, x.device, lambda start, end, codes: codes.copy_(flat[start:end]))
         return Packed(self.name, x.shape, x.dtype, x.device, {"bits": bits})
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        out = torch.empty(packed.numel, dtype=torch.uint8, device=packed.device)
-        unpack_chunks(packed.buffers["bits"], packed.numel, lambda start, end, codes: out[start:end].copy_(codes))
+        n, bits = packed.numel, packed.buffers["bits"]
+        if n <= chunk_elements(packed.device):
+            return unpack_bits(bits, n, packed.shape)
+        out = torch.empty(n, dtype=torch.uint8, device=packed.device)
+        unpack_chunks(bits, n, lambda start, end, codes: out[start:end].copy_(codes))
         return out.view(torch.bool).view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:

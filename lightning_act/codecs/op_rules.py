@@ -3,9 +3,9 @@
 A rule maps a torch function (``torch.nn.functional.relu``, ``torch.relu``, ``Tensor.relu_``, ...) to a
 callable ``rule(saved_tensor, call) -> Codec | None`` that picks the codec for a tensor saved while that
 function runs (``call`` is the :class:`~lightning_act.optrack.FunctionCall` with its arguments), or ``None``
-for the default choice. The engine asks :func:`codec_for_call` while a ``FunctionTracker`` is active. The same
-storage saved later by another function (the next layer needs its values) is stored again with that
-function's codec: the engine's de-duplication key includes the codec name.
+for the default choice. The engine asks the rule of the tracked call (what :func:`codec_for_call` does) while a
+``FunctionTracker`` is active. The same storage saved later by another function (the next layer needs its
+values) is stored again with that function's codec: the engine's de-duplication key includes the codec name.
 """
 from __future__ import annotations
 

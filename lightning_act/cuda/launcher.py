@@ -170,6 +170,7 @@ class BufferLayout(NamedTuple):
     offsets: tuple[int, ...]  # bytes from the start, each a multiple of PART_ALIGN
     total: int  # bytes allocated, padding included
     nbytes: int  # bytes of the parts (what the encoded form stores)
+    pointer_offsets: tuple[np.uint64, ...]  # offsets of the parts after the first, as kernel-argument scalars
 
 
 @functools.lru_cache(maxsize=4096)
@@ -182,7 +183,7 @@ def buffer_layout(parts: tuple[tuple[str, int, torch.dtype], ...]) -> BufferLayo
         offset += size + (-size % PART_ALIGN)
         nbytes += size
     names, numels, dtypes = zip(*parts) if parts else ((), (), ())
-    return BufferLayout(names, numels, dtypes, tuple(offsets), offset, nbytes)
+    return BufferLayout(names, numels, dtypes, tuple(offsets), offset, nbytes, tuple(map(np.uint64, offsets[1:])))
 
 
 class OneBuffer(Mapping):
@@ -207,9 +208,9 @@ class OneBuffer(Mapping):
         """Each part's data pointer as a kernel argument, in layout order (built once: encode and decode
         launch with the same ones)."""
         pointers = self._pointers
-        if pointers is None:
-            base = self.data.data_ptr()
-            pointers = self._pointers = tuple([np.uint64(base + offset) for offset in self.layout.offsets])
+        if pointers is None:  # one scalar conversion, then NumPy scalar sums
+            base = np.uint64(self.data.data_ptr())
+            pointers = self._pointers = (base, *[base + offset for offset in self.layout.pointer_offsets])
         return pointers
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "OneBuffer":

@@ -117,10 +117,11 @@ def _decode_plan(numel: int, dtype: torch.dtype, bits: int, group_size: int, sta
     return _Plan(None, grid, block, shared, args, np.int32(DTYPE_CODES[dtype]))
 
 
-def _encode(x: torch.Tensor, plan: _Plan, pointers: tuple, seed: int, key: int, runner: KernelRunner) -> None:
+def _encode(x: torch.Tensor, plan: _Plan, pointers: tuple, seed: int, key: int, runner: KernelRunner,
+            device: torch.device) -> None:
     if plan.grid is not None:
         args = (pointer(x), *plan.args, np.uint32(rng.stream_base(seed, key)), *pointers, plan.last)
-        runner.launch(SOURCE, "quantize_encode", plan.grid, plan.block, args, plan.shared, x.device)
+        runner.launch(SOURCE, "quantize_encode", plan.grid, plan.block, args, plan.shared, device)
 
 
 def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int, *,
@@ -142,7 +143,7 @@ def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
         out = tuple(OneBuffer.empty(plan.layout, x.device).values())
     elif checked:
         _check_out(out, numel, bits, group_size, stats_dtype, x.device)
-    _encode(x, plan, tuple(map(pointer, out)), seed, key, runner)
+    _encode(x, plan, tuple(map(pointer, out)), seed, key, runner, x.device)
     return tuple(out)
 
 
@@ -152,10 +153,11 @@ def quantize_cuda_packed(x: torch.Tensor, bits: int, group_size: int, stats_dtyp
     and ``step`` as a :class:`OneBuffer` (no views built), and no argument checks: the codec checked the format
     once and passes contiguous tensors of a kernel dtype."""
     runner = runner or default_runner()
-    plan = _encode_plan(x.numel(), x.dtype, bits, group_size, stats_dtype, launcher.multiprocessors(runner, x.device),
+    device = x.device
+    plan = _encode_plan(x.numel(), x.dtype, bits, group_size, stats_dtype, launcher.multiprocessors(runner, device),
                         launcher.MAX_BLOCKS)
-    buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=x.device), plan.layout)
-    _encode(x, plan, buffers.pointers(), seed, key, runner)
+    buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=device), plan.layout)
+    _encode(x, plan, buffers.pointers(), seed, key, runner, device)
     return buffers
 
 
@@ -169,10 +171,10 @@ def _check_out(out, numel: int, bits: int, group_size: int, stats_dtype: torch.d
                          f"{payload.data_ptr() % 4}")
 
 
-def _decode(pointers: tuple, plan: _Plan, out: torch.Tensor, runner: KernelRunner) -> None:
+def _decode(pointers: tuple, plan: _Plan, out: torch.Tensor, runner: KernelRunner, device: torch.device) -> None:
     if plan.grid is not None:
         args = (*pointers, *plan.args, pointer(out), plan.last)
-        runner.launch(SOURCE, "quantize_decode", plan.grid, plan.block, args, plan.shared, out.device)
+        runner.launch(SOURCE, "quantize_decode", plan.grid, plan.block, args, plan.shared, device)
 
 
 def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel: int, bits: int,
@@ -192,7 +194,7 @@ def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor,
         check_tensor("out", out, device=device, dtypes=(dtype,), numel=numel)
     plan = _decode_plan(numel, dtype, bits, group_size, mn.dtype, launcher.multiprocessors(runner, device),
                         launcher.MAX_BLOCKS)
-    _decode((pointer(payload), pointer(mn), pointer(step)), plan, out, runner)
+    _decode((pointer(payload), pointer(mn), pointer(step)), plan, out, runner, device)
     return out
 
 
@@ -201,8 +203,9 @@ def dequantize_cuda_packed(buffers: OneBuffer, shape: torch.Size, bits: int, gro
     """:func:`dequantize_cuda` for the codec: decodes what :func:`quantize_cuda_packed` stored straight into a
     tensor of ``shape`` (no view to build), without argument checks."""
     runner = runner or default_runner()
-    out = torch.empty(shape, dtype=dtype, device=buffers.data.device)
+    device = buffers.data.device
+    out = torch.empty(shape, dtype=dtype, device=device)
     plan = _decode_plan(out.numel(), dtype, bits, group_size, buffers.layout.dtypes[1],
-                        launcher.multiprocessors(runner, out.device), launcher.MAX_BLOCKS)
-    _decode(buffers.pointers(), plan, out, runner)
+                        launcher.multiprocessors(runner, device), launcher.MAX_BLOCKS)
+    _decode(buffers.pointers(), plan, out, runner, device)
     return out

@@ -67,26 +67,46 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 # 1 bit per element without pack_codes' padding copy and in-place passes: the mask codecs run once per ReLU and
 # dropout, so on a GPU their launch count is host time. Products wrap modulo 2**64, as torch's int64 multiply
 # does on CPU and CUDA.
-_SPREAD = 0x0101010101010101  # a byte * this: copies of it in all 8 bytes of a word
-_SELECT = 0x8040201008040201 - (1 << 64)  # keeps bit k of byte k (as a signed int64 constant)
 
 
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """Pack a flat tensor of 0/1 bytes (uint8 or bool) into ``packed_nbytes(numel, 1)`` bytes, the layout of
     ``pack_codes(flags, 1)``."""
-    codes = flags.view(torch.uint8)
-    numel = codes.numel()
-    if numel % 8 or codes.storage_offset() % 8:
-        padded = codes.new_zeros(numel + (-numel % 8))
-        padded[:numel] = codes
-        codes = padded
-    # the top byte of each little-endian word product holds its 8 flags
-    return (codes.view(torch.int64) * _GATHER[1]).view(torch.uint8)[7::8].clone(memory_format=torch.contiguous_format)
+    numel = flags.numel()
+    if numel % 8 or flags.storage_offset() % 8:
+        padded = flags.new_zeros(numel + (-numel % 8))
+        padded[:numel] = flags
+        flags = padded
+    # the top byte of each little-endian word product holds its 8 flags; the narrowing cast keeps the low byte
+    return (flags.view(torch.int64) * _GATHER[1]).bitwise_right_shift_(56).to(torch.uint8)
 
 
-def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``numel`` flags, as a bool tensor."""
-    words = packed.to(torch.int64, memory_format=torch.contiguous_format)
-    words *= _SPREAD
-    words &= _SELECT
-    return words.view(torch.uint8)[:numel].bool()
+# (device, dtype) -> the (256, 8) table whose row b holds the bits of byte b as 0/1 of dtype, least significant
+# first: unpacking is one gather of rows (two kernels with the index conversion, against four word passes and a
+# conversion)
+_BIT_ROWS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def bit_rows(device: torch.device, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """The (256, 8) table whose row b holds the bits of byte b as 0/1 of ``dtype``, least significant first."""
+    rows = _BIT_ROWS.get((device, dtype))
+    if rows is None:  # built on the device (no host copy), once per device and dtype
+        byte = torch.arange(256, dtype=torch.int32, device=device)
+        bits = (byte[:, None] >> torch.arange(8, dtype=torch.int32, device=device)) & 1
+        rows = _BIT_ROWS[(device, dtype)] = bits.to(dtype)
+    return rows
+
+
+def unpack_rows(packed: torch.Tensor, numel: int, shape: tuple[int, ...], rows: torch.Tensor) -> torch.Tensor:
+    """Byte b of ``packed`` as row b of ``rows`` (a (256, 8) table): the first ``numel`` values, in ``shape``."""
+    values = torch.index_select(rows, 0, packed.int())
+    if numel % 8:
+        return values.view(-1)[:numel].view(shape)
+    return values.view(shape)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int, shape: tuple[int, ...] = (-1,),
+                dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` flags, as a bool tensor (of ``shape``, ``numel``
+    elements, when given; as 0/1 of ``dtype`` when given)."""
+    return unpack_rows(packed, numel, shape, bit_rows(packed.device, dtype))
