@@ -36,7 +36,7 @@ class Bottleneck(nn.Module):
         self.merge = ResidualReLU()  # relu(body + shortcut); lightning_act.nn.convert_bounded_cnn bounds its backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.merge(self.body(x), self.shortcut(x))
+        return self.merge.residual(x, self.body, self.shortcut)
 
 
 def resnet50(num_classes: int = 1000) -> nn.Sequential:

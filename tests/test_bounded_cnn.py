@@ -190,4 +190,4 @@ def test_backward_peak_holds_two_full_tensors_plus_chunks(layout, batch):
     # beside the incoming gradient; bounded: the input gradient (half the size) and a few chunk-sized pieces
     chunk = full // batch * _rows(batch, full // batch, DEFAULT_CHUNK_BYTES)
     assert peaks[True] <= peaks[False] - full, {k: v / MiB for k, v in peaks.items()}
-    assert peaks[True] <= full / 2 + 5 * chunk, {k: v / MiB for k, v in peaks.items()}
+    assert peaks[True] <= full / 2 + 6 * chunk, {k: v / MiB for k, v in peaks.items()}
