@@ -10,19 +10,23 @@ among them the decoded saved tensors), and the largest holders.
     python benchmarks/bench_peak_ratio.py                       # BERT (default, eager, act_chunked) + ResNet-50
     python benchmarks/bench_peak_ratio.py --models bert --bert-layers 4 12 --bits 4 2
     python benchmarks/bench_peak_ratio.py --models resnet50 resnet50-cl --resnet-batch 32 --resnet-size 224
+    python benchmarks/bench_peak_ratio.py --models resnet50-cl resnet50-cl-bounded   # + convert_bounded_cnn
     python benchmarks/bench_peak_ratio.py --tiny                # seconds: the code path (tests)
 
 Models (random weights and batches): ``BertForSequenceClassification`` from a config (``--bert-layers`` x
 ``--bert-hidden``, 4 heads, FFN 4x, ``models.bert``) at ``--bert-batch`` x ``--bert-seq`` with the attention
 implementation transformers picks by default (SDPA), eager attention and lightning_act's ``act_chunked``; ResNet-50
 (``lightning_act.models.resnet50``, 1000 classes) at ``--resnet-batch`` x ``--resnet-size``², contiguous and
-channels_last. fp32 unless ``--autocast`` (bf16 autocast, the GPU benchmark's setting).
+channels_last, each also converted by ``lightning_act.nn.convert_bounded_cnn`` (``-bounded``: Conv-BN-ReLU runs
+and residual merges whose backwards hold two full tensors). fp32 unless ``--autocast`` (bf16 autocast, the GPU
+benchmark's setting).
 
 Two ratios: ``ratio`` is ``compressor.stats().ratio`` (what the compressor reports; a ReLU output stored both as
 its 1-bit mask and as the next layer's input counts twice in its original bytes), ``saved ratio`` the bytes the
 uncompressed step saves for backward, each storage once (counted by an L0 compressor), over the stored bytes.
-``peak ÷ / ratio`` uses the saved ratio. act_chunked rows also give peak ÷ against the default attention's
-uncompressed peak (what a user without lightning_act has).
+``peak ÷ / ratio`` uses the saved ratio. act_chunked and bounded rows also give peak ÷ against the plain model's
+uncompressed peak (default attention, unconverted ResNet: what a user without lightning_act has) when it is in
+the same run.
 """
 from __future__ import annotations
 

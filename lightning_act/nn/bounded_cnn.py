@@ -17,6 +17,14 @@ the compressor's mask codec keeps it). Its backward walks the chunks twice: per-
 gradients accumulated in float32 or wider). It holds the incoming and the outgoing gradient plus chunk-sized
 pieces; BatchNorm's input is decoded twice. In eval mode (running statistics) one pass suffices.
 
+Residual blocks (:meth:`ResidualReLU.residual`): autograd sums a block input's gradient from its two readers
+(the body's first run and the shortcut) in a buffer, so the first one waits there, whole, while the second is
+built. Here the reader that runs second in backward also returns the block input as an identity output: the
+body's first run (identity shortcut) adds its input gradient chunk by chunk into the merge's gradient, the
+shortcut's run (projection shortcut) into the body's. Those gradients are this module's own, read by nothing
+else by then, so the sum happens in place. The merge ``relu(a + b)`` adds into ``a`` when ``a`` is a run's
+fresh output, saves the sign bit-packed per chunk, and its backward holds two tensors.
+
 The gradients are the unfused ones up to the order of the sums. BatchNorm's module hooks do not run (the
 convolution's do); ``padding_mode`` other than ``'zeros'`` and string paddings are left unfused.
 """
@@ -83,181 +91,153 @@ def _bn_factor(bn: nn.BatchNorm2d) -> float:
     return factor
 
 
-class _Branch:
-    """A Conv2d -> BatchNorm2d (-> ReLU) branch of a fork: what its backward needs beside the saved chunks."""
-
-    def __init__(self, conv, bn, relu, z, out, gamma, beta, mean, invstd, batch_stats):
-        self.conv, self.relu, self.batch_stats = conv, relu, batch_stats
-        self.wide = _wide(z.dtype)
-        if not batch_stats:  # normalised by the running statistics: those of this step are the ones to keep
-            mean = bn.running_mean.to(self.wide, copy=True)
-            invstd = (bn.running_var.to(self.wide) + bn.eps).rsqrt()
-        self.mean, self.invstd = _channel(mean.to(self.wide)), _channel(invstd.to(self.wide))
-        self.z_shape, self.conv_dtype, self.z_cl, self.out_cl = z.shape, z.dtype, _channels_last(z), _channels_last(out)
-        self.bn_dtype = (gamma if gamma is not None else beta if beta is not None else z).dtype
-        self.z_at = self.sign_at = 0  # where its chunks start among the saved tensors
-
-
 def _channel(v: torch.Tensor) -> torch.Tensor:
     return v.view(1, -1, 1, 1)
 
 
-def _run_branch(x, conv, bn, relu, gamma, beta):
-    z = conv(x)  # the module: autocast casts x and the weight as in the unfused model
-    batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
-    keep_running = not bn.training or bn.track_running_stats
-    out, mean, invstd = torch.native_batch_norm(
-        z, gamma, beta, bn.running_mean if keep_running else None, bn.running_var if keep_running else None,
-        batch_stats, _bn_factor(bn), bn.eps)
-    if relu:
-        out.relu_()
-    return z, out, _Branch(conv, bn, relu, z, out, gamma, beta, mean, invstd, batch_stats)
-
-
-def _chunk(ctx, branch: _Branch, grad: torch.Tensor, i: int):
-    """The masked incoming gradient and ``xhat`` of chunk ``i`` of ``branch``, in its accumulation dtype."""
-    start, stop = ctx.bounds[i]
-    g = grad[start:stop]
-    if branch.relu:
-        g = torch.where(_sign(ctx, branch.sign_at + i, g.shape, branch.out_cl), g, 0)
-    z = _logical(unpack_saved(ctx, branch.z_at + i), branch.z_cl)
-    return g.to(branch.wide), (z.to(branch.wide) - branch.mean).mul_(branch.invstd)
-
-
-# Gradients this module's residual merge created and handed only to its own nodes: a fork may add into them.
+# Gradients this module's nodes created and handed only to its own nodes, which a fork with an identity output
+# receives once the others are done (ResidualReLU.residual builds no other graph): it may add into them.
 _OWNED = WeakIdKeyDictionary()
 
 
 class _Fork(torch.autograd.Function):
-    """Conv2d -> BatchNorm2d (-> ReLU) branches reading one input and, with ``identity``, the input itself as
-    one more output (a residual shortcut). One node: its backward sums the branches' input gradients (and the
-    shortcut's) chunk by chunk into one tensor, so a residual block's input gradient exists once."""
+    """A Conv2d -> BatchNorm2d (-> ReLU) run and, with ``identity``, its input as a second output (a residual
+    shortcut): the backward adds the run's input gradient chunk by chunk into that output's gradient."""
 
     @staticmethod
-    def forward(ctx, x, identity, chunk_bytes, runs, *params):
-        branches, outs, zs = [], [], []
-        for j, (conv, bn, relu) in enumerate(runs):
-            weight, bias, gamma, beta = params[4 * j:4 * j + 4]
-            z, out, branch = _run_branch(x, conv, bn, relu, gamma, beta)
-            branches.append(branch)
-            outs.append(out)
-            zs.append(z)
-        xc = x.to(zs[0].dtype)  # what the convolutions read (autocast's copy), saved for their weight gradients
-        row_bytes = max([xc[0].numel() * xc.element_size()] + [z[0].numel() * z.element_size() for z in zs])
-        rows = _rows(x.shape[0], max(row_bytes, 1), chunk_bytes)
-        ctx.bounds, ctx.xc_cl = row_bounds(x.shape[0], rows), _channels_last(xc)
-        ctx.x_meta, ctx.identity, ctx.branches = (x.shape, x.dtype, _channels_last(x)), identity, branches
-        ctx.saves_x = any(ctx.needs_input_grad[4 + 4 * j] for j in range(len(runs)))
-        saved = [p for j in range(len(runs)) for p in (params[4 * j], params[4 * j + 2])]
-        ctx.x_at = len(saved)
+    def forward(ctx, x, weight, bias, gamma, beta, conv, bn, relu, identity, chunk_bytes):
+        z = conv(x)  # the module: autocast casts x and the weight as in the unfused model
+        batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+        keep_running = not bn.training or bn.track_running_stats
+        out, mean, invstd = torch.native_batch_norm(
+            z, gamma, beta, bn.running_mean if keep_running else None, bn.running_var if keep_running else None,
+            batch_stats, _bn_factor(bn), bn.eps)
+        if relu:
+            out.relu_()
+        wide = _wide(z.dtype)
+        if not batch_stats:  # normalised by the running statistics: those of this step are the ones to keep
+            mean = bn.running_mean.to(wide, copy=True)
+            invstd = (bn.running_var.to(wide) + bn.eps).rsqrt()
+        ctx.mean, ctx.invstd, ctx.batch_stats = _channel(mean.to(wide)), _channel(invstd.to(wide)), batch_stats
+        ctx.conv, ctx.relu, ctx.identity, ctx.x_meta = conv, relu, identity, (x.shape, x.dtype, _channels_last(x))
+        xc = x.to(z.dtype)  # what the convolution read (autocast's copy), saved for its weight gradient
+        rows = _rows(z.shape[0], max(z[0].numel() * z.element_size(), xc[0].numel() * xc.element_size(), 1),
+                     chunk_bytes)
+        ctx.bounds, ctx.z_cl, ctx.xc_cl = row_bounds(z.shape[0], rows), _channels_last(z), _channels_last(xc)
+        ctx.z_shape, ctx.conv_dtype, ctx.out_cl = z.shape, z.dtype, _channels_last(out)
+        ctx.bn_dtype = (gamma if gamma is not None else beta if beta is not None else z).dtype
+        ctx.saves_x = bool(ctx.needs_input_grad[1])
+        saved = [weight, gamma]
         saved += [_memory_order(c, ctx.xc_cl) for c in xc.split(rows)] if ctx.saves_x else []
-        for branch, z, out in zip(branches, zs, outs):
-            branch.z_at = len(saved)
-            saved += [_memory_order(c, branch.z_cl) for c in z.split(rows)]
-            branch.sign_at = len(saved)
-            saved += _signs(out, rows, branch.out_cl) if branch.relu else []
+        ctx.z_at = len(saved)
+        saved += [_memory_order(c, ctx.z_cl) for c in z.split(rows)]
+        ctx.sign_at = len(saved)
+        saved += _signs(out, rows, ctx.out_cl) if relu else []
         ctx.save_for_backward(*saved)
-        return (*outs, x.view_as(x)) if identity else tuple(outs)
+        return (out, x.view_as(x)) if identity else out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):
-        branches, bounds, need_x = ctx.branches, ctx.bounds, ctx.needs_input_grad[0]
+    def backward(ctx, grad_out, shortcut=None):
+        need_x, need_w, need_b, need_gamma, need_beta = ctx.needs_input_grad[:5]
+        bounds, conv, x_at = ctx.bounds, ctx.conv, 2
         x_shape, x_dtype, x_cl = ctx.x_meta
-        shortcut = grads[len(branches)] if ctx.identity else None
+        weight, gamma = unpack_saved(ctx, 0), unpack_saved(ctx, 1)
+        wide = ctx.mean.dtype
+        scale = ctx.invstd if gamma is None else ctx.invstd * _channel(gamma.to(wide))
+        count = ctx.z_shape[0] * ctx.z_shape[2] * ctx.z_shape[3]
+
+        def chunk(i):
+            """The masked incoming gradient and ``xhat`` of chunk ``i``, in the accumulation dtype."""
+            start, stop = bounds[i]
+            g = grad_out[start:stop]
+            if ctx.relu:
+                g = torch.where(_sign(ctx, ctx.sign_at + i, g.shape, ctx.out_cl), g, 0)
+            z = _logical(unpack_saved(ctx, ctx.z_at + i), ctx.z_cl)
+            return g.to(wide), (z.to(wide) - ctx.mean).mul_(ctx.invstd)
+
         if not need_x:
             grad_x = None
         elif shortcut is not None and shortcut in _OWNED and shortcut.dtype == x_dtype:
-            grad_x = shortcut  # the merge's gradient, its other consumers done: the sum accumulates in place
+            grad_x = shortcut  # this module's gradient, its other readers done: the sum accumulates in place
         elif shortcut is not None:
             grad_x = shortcut.to(x_dtype, copy=True)
         else:
-            grad_x = torch.empty(x_shape, dtype=x_dtype, device=grads[0].device,
+            grad_x = torch.empty(x_shape, dtype=x_dtype, device=grad_out.device,
                                  memory_format=torch.channels_last if x_cl else torch.contiguous_format).zero_()
-        results = [grad_x, None, None, None]
-        with torch.autocast(grads[0].device.type, enabled=False):
-            sums = []
-            for j, branch in enumerate(branches):
-                sum_g = torch.zeros(branch.z_shape[1], dtype=branch.wide, device=grads[j].device)
-                sum_gxhat = torch.zeros_like(sum_g)
-                if branch.batch_stats:  # its input gradient needs the whole batch's sums first
-                    for i in range(len(bounds)):
-                        g, xhat = _chunk(ctx, branch, grads[j], i)
-                        sum_g.add_(g.sum(_DIMS))
-                        sum_gxhat.add_((g * xhat).sum(_DIMS))
-                sums.append((sum_g, sum_gxhat))
-            weights = [unpack_saved(ctx, 2 * j) for j in range(len(branches))]
-            accumulators = []
-            for j, weight in enumerate(weights):
-                need_w, need_b = ctx.needs_input_grad[4 + 4 * j:6 + 4 * j]
-                acc = _wide(weight.dtype)
-                accumulators.append((torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
-                                     torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None))
+            _OWNED[grad_x] = True  # its one reader: a shortcut's fork may add into it
+        sum_g = torch.zeros(ctx.z_shape[1], dtype=wide, device=grad_out.device)
+        sum_gxhat = torch.zeros_like(sum_g)
+
+        def accumulate(g, xhat):
+            sum_g.add_(g.sum(_DIMS))
+            sum_gxhat.add_((g * xhat).sum(_DIMS))
+
+        acc = _wide(weight.dtype)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.batch_stats:  # the input gradient needs the whole batch's sums first
+                for i in range(len(bounds)):
+                    accumulate(*chunk(i))
+            w = weight.to(ctx.conv_dtype)
             for i, (start, stop) in enumerate(bounds):
-                xi = None
-                for j, branch in enumerate(branches):
-                    gamma, (sum_g, sum_gxhat) = unpack_saved(ctx, 2 * j + 1), sums[j]
-                    scale = branch.invstd if gamma is None else branch.invstd * _channel(gamma.to(branch.wide))
-                    count = branch.z_shape[0] * branch.z_shape[2] * branch.z_shape[3]
-                    g, xhat = _chunk(ctx, branch, grads[j], i)
-                    if branch.batch_stats:  # in place on xhat (this backward's own chunk; g may view grads[j])
-                        gz = xhat.mul_(_channel(-sum_gxhat / count)).add_(g).sub_(_channel(sum_g / count)).mul_(scale)
-                    else:
-                        sum_g.add_(g.sum(_DIMS))
-                        sum_gxhat.add_((g * xhat).sum(_DIMS))
-                        gz = g * scale
-                    del g, xhat  # freed before the convolution's chunk
-                    (grad_w, grad_b), conv = accumulators[j], branch.conv
-                    if not (need_x or grad_w is not None or grad_b is not None):
-                        continue
-                    gz = gz.to(branch.conv_dtype)
-                    if grad_w is not None and xi is None:
-                        xi = _logical(unpack_saved(ctx, ctx.x_at + i), ctx.xc_cl)
-                    # the input gradient alone needs only the input's shape
-                    inp = xi if xi is not None else gz.new_empty(1).expand(stop - start, *x_shape[1:])
-                    w = weights[j].to(branch.conv_dtype)
-                    gxi, gwi, gbi = torch.ops.aten.convolution_backward(
-                        gz, inp.to(branch.conv_dtype), w, [w.shape[0]] if grad_b is not None else None, conv.stride,
-                        conv.padding, conv.dilation, False, [0] * len(conv.padding), conv.groups,
-                        [need_x, grad_w is not None, grad_b is not None])
-                    if need_x:
-                        grad_x[start:stop].add_(gxi)
-                    if grad_w is not None:
-                        grad_w.add_(gwi)
-                    if grad_b is not None:
-                        grad_b.add_(gbi)
+                g, xhat = chunk(i)
+                if ctx.batch_stats:  # in place on xhat (this backward's own chunk; g may be grad_out's view)
+                    gz = xhat.mul_(_channel(-sum_gxhat / count)).add_(g).sub_(_channel(sum_g / count)).mul_(scale)
+                else:
+                    accumulate(g, xhat)
+                    gz = g * scale
+                del g, xhat  # freed before the convolution's chunk
+                if not (need_x or need_w or need_b):
+                    continue
+                gz = gz.to(ctx.conv_dtype)
+                if ctx.saves_x:
+                    xi = _logical(unpack_saved(ctx, x_at + i), ctx.xc_cl)
+                else:  # the input gradient needs only the input's shape
+                    xi = gz.new_empty(1).expand(stop - start, *x_shape[1:])
+                gxi, gwi, gbi = torch.ops.aten.convolution_backward(
+                    gz, xi, w, [w.shape[0]] if need_b else None, conv.stride, conv.padding, conv.dilation, False,
+                    [0] * len(conv.padding), conv.groups, [need_x, need_w, need_b])
+                if need_x:
+                    grad_x[start:stop].add_(gxi)
+                if need_w:
+                    grad_w.add_(gwi)
+                if need_b:
+                    grad_b.add_(gbi)
         cast = lambda t, dtype: None if t is None else t.to(dtype)  # noqa: E731
-        for j, branch in enumerate(branches):
-            (grad_w, grad_b), (sum_g, sum_gxhat) = accumulators[j], sums[j]
-            need_gamma, need_beta = ctx.needs_input_grad[6 + 4 * j:8 + 4 * j]
-            results += [cast(grad_w, weights[j].dtype), cast(grad_b, weights[j].dtype),
-                        cast(sum_gxhat if need_gamma else None, branch.bn_dtype),
-                        cast(sum_g if need_beta else None, branch.bn_dtype)]
-        return tuple(results)
+        return (grad_x, cast(grad_w, weight.dtype), cast(grad_b, weight.dtype),
+                cast(sum_gxhat if need_gamma else None, ctx.bn_dtype), cast(sum_g if need_beta else None, ctx.bn_dtype),
+                None, None, None, None, None)
 
 
-def _fork(x: torch.Tensor, runs: list, identity: bool, chunk_bytes: int | str) -> tuple[torch.Tensor, ...]:
-    """The outputs of ``runs`` (``(conv, bn, relu)`` triples) on ``x``, and ``x`` itself with ``identity``. Without
-    autograd (no gradient wanted) the modules run as they are."""
-    params = [p for conv, bn, _ in runs for p in (conv.weight, conv.bias, bn.weight, bn.bias)]
+def _fork(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool, identity: bool,
+          chunk_bytes: int | str):
+    """The run's output on ``x`` and, with ``identity``, ``x`` itself. Without autograd (no gradient wanted) the
+    modules run as they are."""
+    params = (conv.weight, conv.bias, bn.weight, bn.bias)
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
-        return _Fork.apply(x, identity, chunk_bytes, tuple(runs), *params)
-    outs = [bn(conv(x)) for conv, bn, _ in runs]
-    outs = [torch.relu(out) if relu else out for out, (_, _, relu) in zip(outs, runs)]
-    return (*outs, x) if identity else tuple(outs)
+        return _Fork.apply(x, *params, conv, bn, relu, identity, chunk_bytes)
+    out = bn(conv(x))
+    out = torch.relu(out) if relu else out
+    return (out, x) if identity else out
 
 
 def conv_bn_act(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool,
                 chunk_bytes: int | str = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
     """``relu(bn(conv(x)))`` (without ``relu`` if False) with the bounded backward of the module docstring; row
     chunks of about ``chunk_bytes``. Without autograd (no gradient wanted) the modules run as they are."""
-    return _fork(x, [(conv, bn, relu)], False, chunk_bytes)[0]
+    return _fork(x, conv, bn, relu, False, chunk_bytes)
 
 
 class _AddReLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, chunk_bytes):
-        out = torch.add(a, b).relu_()
+    def forward(ctx, a, b, chunk_bytes, into_a):
+        if into_a:  # a is a fork's fresh output read by nothing else: the sum needs no third tensor
+            ctx.mark_dirty(a)
+            out = a.add_(b).relu_()
+        else:
+            out = torch.add(a, b).relu_()
         rows = _rows(out.shape[0], max(out[0].numel() * out.element_size(), 1), chunk_bytes)
         ctx.bounds, ctx.cl, ctx.dtypes = row_bounds(out.shape[0], rows), _channels_last(out), (a.dtype, b.dtype)
         ctx.save_for_backward(*_signs(out, rows, ctx.cl))
@@ -272,7 +252,7 @@ class _AddReLU(torch.autograd.Function):
             grad[start:stop] = torch.where(_sign(ctx, i, g.shape, ctx.cl), g, 0)
         _OWNED[grad] = True
         # one tensor for both summands, as AddBackward hands out
-        return grad.to(ctx.dtypes[0]), grad.to(ctx.dtypes[1]), None
+        return grad.to(ctx.dtypes[0]), grad.to(ctx.dtypes[1]), None, None
 
 
 class ResidualReLU(nn.Module):
@@ -285,26 +265,31 @@ class ResidualReLU(nn.Module):
     bounded = False
     chunk_bytes: int | str = DEFAULT_CHUNK_BYTES
 
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(self, a: torch.Tensor, b: torch.Tensor, _into_a: bool = False) -> torch.Tensor:
         if self.bounded and a.dim() == 4 and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            return _AddReLU.apply(a, b, self.chunk_bytes)
+            into_a = _into_a and a.shape == b.shape and a.dtype == torch.result_type(a, b)
+            return _AddReLU.apply(a, b, self.chunk_bytes, into_a)
         return torch.relu(a + b)
 
     def residual(self, x: torch.Tensor, body: nn.Module, shortcut: nn.Module) -> torch.Tensor:
-        """``self(body(x), shortcut(x))``: bounded, a ``body`` Sequential opening with a Conv2d -> BatchNorm2d
-        (-> ReLU) run and an ``nn.Identity`` or Conv2d -> BatchNorm2d ``shortcut`` share one fork."""
+        """``self(body(x), shortcut(x))``. Bounded, with a ``body`` Sequential opening with a Conv2d -> BatchNorm2d
+        (-> ReLU) run and an ``nn.Identity`` or Conv2d -> BatchNorm2d ``shortcut``, the block's input gradient
+        is built once (module docstring)."""
         modules = list(body._modules.values()) if isinstance(body, nn.Sequential) else []
-        if isinstance(shortcut, nn.Identity):
-            extra, identity = [], True
-        elif isinstance(shortcut, nn.Sequential) and len(shortcut) == 2 and _fusable(*shortcut):
-            extra, identity = [(shortcut[0], shortcut[1], False)], False
-        else:
-            extra = identity = None
-        if not self.bounded or extra is None or len(modules) < 2 or not _fusable(*modules[:2]):
+        projection = isinstance(shortcut, nn.Sequential) and len(shortcut) == 2 and _fusable(*shortcut)
+        if (not self.bounded or not (projection or isinstance(shortcut, nn.Identity)) or len(modules) < 2
+                or not _fusable(*modules[:2])):
             return self(body(x), shortcut(x))
         relu = len(modules) > 2 and type(modules[2]) is nn.ReLU
-        outs = _fork(x, [(modules[0], modules[1], relu)] + extra, identity, self.chunk_bytes)
-        return self(_sequence(modules[3 if relu else 2:], outs[0], self.chunk_bytes), outs[1])
+        if projection:  # the shortcut's backward adds into the first run's input gradient
+            skip, x = _fork(x, shortcut[0], shortcut[1], False, True, self.chunk_bytes)
+            h = _fork(x, modules[0], modules[1], relu, False, self.chunk_bytes)
+        else:  # the first run's backward adds its input gradient into the merge's
+            h, skip = _fork(x, modules[0], modules[1], relu, True, self.chunk_bytes)
+        rest = modules[3 if relu else 2:]
+        # the body's output is a fork's own when its last modules are a run (read by the merge alone)
+        fresh = len(rest) >= 2 and _fusable(*rest[-2:])
+        return self(_sequence(rest, h, self.chunk_bytes), skip, fresh)
 
 
 def _fusable(conv: nn.Module, bn: nn.Module) -> bool:
