@@ -19,10 +19,10 @@ pieces; BatchNorm's input is decoded twice. In eval mode (running statistics) on
 
 Residual blocks (:meth:`ResidualReLU.residual`): autograd sums a block input's gradient from its two readers
 (the body's first run and the shortcut) in a buffer, so the first one waits there, whole, while the second is
-built. Here the reader that runs second in backward also returns the block input as an identity output: the
-body's first run (identity shortcut) adds its input gradient chunk by chunk into the merge's gradient, the
-shortcut's run (projection shortcut) into the body's. Those gradients are this module's own, read by nothing
-else by then, so the sum happens in place. The merge ``relu(a + b)`` adds into ``a`` when ``a`` is a run's
+built. Here the body's first run, the last reader in backward, also returns the block input as an identity
+output that the shortcut reads: its backward adds its input gradient chunk by chunk into the shortcut's (the
+merge's gradient, or the projection run's input gradient). Those gradients are this module's own, read by
+nothing else by then, so the sum happens in place. The merge ``relu(a + b)`` adds into ``a`` when ``a`` is a run's
 fresh output, saves the sign bit-packed per chunk, and its backward holds two tensors.
 
 The gradients are the unfused ones up to the order of the sums. BatchNorm's module hooks do not run (the
@@ -95,8 +95,8 @@ def _channel(v: torch.Tensor) -> torch.Tensor:
     return v.view(1, -1, 1, 1)
 
 
-# Gradients this module's nodes created and handed only to its own nodes, which a fork with an identity output
-# receives once the others are done (ResidualReLU.residual builds no other graph): it may add into them.
+# Gradients this module's nodes created and handed only to its own nodes, which a fork's identity output
+# receives once their other readers are done (the graph ResidualReLU.residual builds): it may add into them.
 _OWNED = WeakIdKeyDictionary()
 
 
@@ -165,7 +165,7 @@ class _Fork(torch.autograd.Function):
         else:
             grad_x = torch.empty(x_shape, dtype=x_dtype, device=grad_out.device,
                                  memory_format=torch.channels_last if x_cl else torch.contiguous_format).zero_()
-            _OWNED[grad_x] = True  # its one reader: a shortcut's fork may add into it
+            _OWNED[grad_x] = True  # its one reader: the body's first fork may add into it
         sum_g = torch.zeros(ctx.z_shape[1], dtype=wide, device=grad_out.device)
         sum_gxhat = torch.zeros_like(sum_g)
 
@@ -281,15 +281,15 @@ class ResidualReLU(nn.Module):
                 or not _fusable(*modules[:2])):
             return self(body(x), shortcut(x))
         relu = len(modules) > 2 and type(modules[2]) is nn.ReLU
-        if projection:  # the shortcut's backward adds into the first run's input gradient
-            skip, x = _fork(x, shortcut[0], shortcut[1], False, True, self.chunk_bytes)
-            h = _fork(x, modules[0], modules[1], relu, False, self.chunk_bytes)
-        else:  # the first run's backward adds its input gradient into the merge's
-            h, skip = _fork(x, modules[0], modules[1], relu, True, self.chunk_bytes)
+        # the first run's backward, the block input's last reader, adds its input gradient into the shortcut's
+        h, skip = _fork(x, modules[0], modules[1], relu, True, self.chunk_bytes)
         rest = modules[3 if relu else 2:]
         # the body's output is a fork's own when its last modules are a run (read by the merge alone)
         fresh = len(rest) >= 2 and _fusable(*rest[-2:])
-        return self(_sequence(rest, h, self.chunk_bytes), skip, fresh)
+        h = _sequence(rest, h, self.chunk_bytes)
+        if projection:  # after the body, as unconverted: the body's tensors are gone when the shortcut's exist
+            skip = _fork(skip, shortcut[0], shortcut[1], False, False, self.chunk_bytes)
+        return self(h, skip, fresh)
 
 
 def _fusable(conv: nn.Module, bn: nn.Module) -> bool:
