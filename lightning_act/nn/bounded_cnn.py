@@ -129,10 +129,14 @@ class _Fork(torch.autograd.Function):
         ctx.saves_x = bool(ctx.needs_input_grad[1])
         saved = [weight, gamma]
         saved += [_memory_order(c, ctx.xc_cl) for c in xc.split(rows)] if ctx.saves_x else []
-        ctx.z_at = len(saved)
-        saved += [_memory_order(c, ctx.z_cl) for c in z.split(rows)]
-        ctx.sign_at = len(saved)
-        saved += _signs(out, rows, ctx.out_cl) if relu else []
+        # BN's input and the signs once per backward pass: each saved entry is unpacked once (torch.utils.checkpoint
+        # allows no more); the compressor stores the second entry as a duplicate of the first
+        passes = []
+        for _ in range(2 if batch_stats else 1):
+            passes.append((len(saved), len(saved) + len(ctx.bounds)))
+            saved += [_memory_order(c, ctx.z_cl) for c in z.split(rows)]
+            saved += _signs(out, rows, ctx.out_cl) if relu else []
+        ctx.passes = passes
         ctx.save_for_backward(*saved)
         return (out, x.view_as(x)) if identity else out
 
@@ -147,13 +151,14 @@ class _Fork(torch.autograd.Function):
         scale = ctx.invstd if gamma is None else ctx.invstd * _channel(gamma.to(wide))
         count = ctx.z_shape[0] * ctx.z_shape[2] * ctx.z_shape[3]
 
-        def chunk(i):
+        def chunk(i, saved_pass):
             """The masked incoming gradient and ``xhat`` of chunk ``i``, in the accumulation dtype."""
             start, stop = bounds[i]
+            z_at, sign_at = ctx.passes[saved_pass]
             g = grad_out[start:stop]
             if ctx.relu:
-                g = torch.where(_sign(ctx, ctx.sign_at + i, g.shape, ctx.out_cl), g, 0)
-            z = _logical(unpack_saved(ctx, ctx.z_at + i), ctx.z_cl)
+                g = torch.where(_sign(ctx, sign_at + i, g.shape, ctx.out_cl), g, 0)
+            z = _logical(unpack_saved(ctx, z_at + i), ctx.z_cl)
             return g.to(wide), (z.to(wide) - ctx.mean).mul_(ctx.invstd)
 
         if not need_x:
@@ -179,10 +184,10 @@ class _Fork(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.batch_stats:  # the input gradient needs the whole batch's sums first
                 for i in range(len(bounds)):
-                    accumulate(*chunk(i))
+                    accumulate(*chunk(i, 0))
             w = weight.to(ctx.conv_dtype)
             for i, (start, stop) in enumerate(bounds):
-                g, xhat = chunk(i)
+                g, xhat = chunk(i, len(ctx.passes) - 1)
                 if ctx.batch_stats:  # in place on xhat (this backward's own chunk; g may be grad_out's view)
                     gz = xhat.mul_(_channel(-sum_gxhat / count)).add_(g).sub_(_channel(sum_g / count)).mul_(scale)
                 else:
