@@ -10,19 +10,23 @@ among them the decoded saved tensors), and the largest holders.
     python benchmarks/bench_peak_ratio.py                       # BERT (default, eager, act_chunked) + ResNet-50
     python benchmarks/bench_peak_ratio.py --models bert --bert-layers 4 12 --bits 4 2
     python benchmarks/bench_peak_ratio.py --models resnet50 resnet50-cl --resnet-batch 32 --resnet-size 224
+    python benchmarks/bench_peak_ratio.py --models resnet50-cl resnet50-cl-bounded   # + convert_bounded_cnn
     python benchmarks/bench_peak_ratio.py --tiny                # seconds: the code path (tests)
 
 Models (random weights and batches): ``BertForSequenceClassification`` from a config (``--bert-layers`` x
 ``--bert-hidden``, 4 heads, FFN 4x, ``models.bert``) at ``--bert-batch`` x ``--bert-seq`` with the attention
 implementation transformers picks by default (SDPA), eager attention and lightning_act's ``act_chunked``; ResNet-50
 (``lightning_act.models.resnet50``, 1000 classes) at ``--resnet-batch`` x ``--resnet-size``², contiguous and
-channels_last. fp32 unless ``--autocast`` (bf16 autocast, the GPU benchmark's setting).
+channels_last, each also converted by ``lightning_act.nn.convert_bounded_cnn`` (``-bounded``: Conv-BN-ReLU runs
+and residual merges whose backwards hold two full tensors). fp32 unless ``--autocast`` (bf16 autocast, the GPU
+benchmark's setting).
 
 Two ratios: ``ratio`` is ``compressor.stats().ratio`` (what the compressor reports; a ReLU output stored both as
 its 1-bit mask and as the next layer's input counts twice in its original bytes), ``saved ratio`` the bytes the
 uncompressed step saves for backward, each storage once (counted by an L0 compressor), over the stored bytes.
-``peak ÷ / ratio`` uses the saved ratio. act_chunked rows also give peak ÷ against the default attention's
-uncompressed peak (what a user without lightning_act has).
+``peak ÷ / ratio`` uses the saved ratio. act_chunked and bounded rows also give peak ÷ against the plain model's
+uncompressed peak (default attention, unconverted ResNet: what a user without lightning_act has) when it is in
+the same run.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from torch import nn
 import lightning_act as act
 from bench_gpu import Method, Prepared
 from lightning_act.models import resnet8, resnet50
+from lightning_act.nn import convert_bounded_cnn
 from lightning_act.nn.attention import register_with_transformers
 from lightning_act.profiling import annotate_codecs, measure_step_memory, peak_breakdown
 from models import MachineLoad, bert, machine, publish
@@ -54,8 +59,10 @@ class Workload:
     name: str
     model: nn.Module
     loss_fn: Callable[[], torch.Tensor]
-    family: str  # rows of one family share the "default baseline" (BERT: the default attention's)
+    family: str  # rows of one family share the "plain baseline" (BERT: the default attention's)
     attention: str | None = None
+    reference: bool = False  # its baseline is the family's plain baseline
+    variant: bool = False  # a conversion (act_chunked, bounded CNN): rows also compared with the plain baseline
 
 
 def bert_workload(args, layers: int, attention: str | None) -> Workload:
@@ -70,20 +77,24 @@ def bert_workload(args, layers: int, attention: str | None) -> Workload:
         shape = f"{layers}x{args.bert_hidden}, {args.bert_batch}x{args.bert_seq}"
     used = model.config._attn_implementation
     label = "default (" + used + ")" if attention is None else used
-    return Workload(f"BERT {shape}, {label}", model, loss_fn, f"bert{layers}", used)
+    return Workload(f"BERT {shape}, {label}", model, loss_fn, f"bert{layers}", used, reference=attention is None,
+                    variant=used == "act_chunked")
 
 
-def resnet_workload(args, channels_last: bool) -> Workload:
+def resnet_workload(args, channels_last: bool, bounded: bool = False) -> Workload:
     torch.manual_seed(0)
     batch, side, classes = (4, 32, 10) if args.tiny else (args.resnet_batch, args.resnet_size, 1000)
     model = resnet8(3, classes, width=8) if args.tiny else resnet50(classes)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=layout).train()
+    if bounded:
+        convert_bounded_cnn(model)
     x = torch.randn(batch, 3, side, side).to(memory_format=layout)
     y = torch.randint(0, classes, (batch,))
-    name = f"{'ResNet-8 (w8)' if args.tiny else 'ResNet-50'} {batch}x{side}²" + (", channels_last" if channels_last
-                                                                                  else "")
-    return Workload(name, model, lambda: nn.functional.cross_entropy(model(x), y), f"resnet{int(channels_last)}")
+    name = (f"{'ResNet-8 (w8)' if args.tiny else 'ResNet-50'} {batch}x{side}²" + (", channels_last" if channels_last
+            else "") + (", bounded" if bounded else ""))
+    return Workload(name, model, lambda: nn.functional.cross_entropy(model(x), y), f"resnet{int(channels_last)}",
+                    reference=not bounded, variant=bounded)
 
 
 def _is_decode(source: str) -> bool:
@@ -172,8 +183,8 @@ def run_workload(workload: Workload, methods: dict, args) -> list[dict]:
     rows = []
     for name, method in methods.items():
         print(f"  {workload.name}: {name} ...", flush=True)
-        row = {"model": workload.name, "family": workload.family, "attention": workload.attention,
-               "config": name, "saved_mib": saved}
+        row = {"model": workload.name, "family": workload.family, "reference": workload.reference,
+               "variant": workload.variant, "config": name, "saved_mib": saved}
         try:
             row.update(measure(workload, method, args.autocast, not args.no_breakdown,
                                stack=args.stack))
@@ -192,24 +203,23 @@ def run_workload(workload: Workload, methods: dict, args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    defaults = {r["family"]: r["peak_mib"] for r in rows
-                if r["config"] == "baseline" and "error" not in r and "(" in r["model"]}
+    plain = {r["family"]: r["peak_mib"] for r in rows if r["config"] == "baseline" and "error" not in r and r["reference"]}
     lines = ["| model | config | ratio (reported) | saved ratio | stored MiB | peak MiB | peak ÷ | peak ÷ / ratio | "
-             "peak ÷ vs default attention | step s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak ÷ vs plain model | step s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['config']} | failed: {r['error']} | | | | | | | |")
             continue
         fmt = lambda key, spec: "-" if r.get(key) is None else format(r[key], spec)  # noqa: E731
-        vs_default = "-"
-        if r["attention"] == "act_chunked" and r["family"] in defaults:
-            vs_default = f"{defaults[r['family']] / r['peak_mib']:.2f}"
+        vs_plain = "-"
+        if r["variant"] and r["family"] in plain:
+            vs_plain = f"{plain[r['family']] / r['peak_mib']:.2f}"
         of_ratio = "-" if r.get("of_ratio") is None else f"**{100 * r['of_ratio']:.0f}%**" if \
             r["of_ratio"] >= TARGET else f"{100 * r['of_ratio']:.0f}%"
         stored = r.get("stored_mib", r["saved_mib"] if r["config"] == "baseline" else None)
         lines.append(f"| {r['model']} | {r['config']} | {fmt('ratio', '.2f')} | {fmt('saved_ratio', '.2f')} | "
                      f"{'-' if stored is None else format(stored, '.1f')} | {r['peak_mib']:.1f} | "
-                     f"{fmt('peak_div', '.2f')} | {of_ratio} | {vs_default} | {r['step_s']:.1f} |")
+                     f"{fmt('peak_div', '.2f')} | {of_ratio} | {vs_plain} | {r['step_s']:.1f} |")
     return lines
 
 
@@ -228,7 +238,7 @@ def breakdown_table(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["bert", "resnet50", "resnet50-cl"],
-                        choices=["bert", "resnet50", "resnet50-cl"])
+                        choices=["bert", "resnet50", "resnet50-cl", "resnet50-bounded", "resnet50-cl-bounded"])
     parser.add_argument("--attention", nargs="+", default=["default", "eager", "act_chunked"],
                         choices=["default", "eager", "act_chunked", "sdpa"])
     parser.add_argument("--bert-layers", nargs="+", type=int, default=[4, 12])
@@ -259,7 +269,7 @@ def main(argv=None) -> int:
                         rows += run_workload(bert_workload(args, layers, None if attention == "default" else
                                                            attention), methods, args)
             else:
-                rows += run_workload(resnet_workload(args, model == "resnet50-cl"), methods, args)
+                rows += run_workload(resnet_workload(args, "-cl" in model, model.endswith("-bounded")), methods, args)
         minutes = (time.perf_counter() - started) / 60
     summary = load.summary()
     lines = ["# Step peak against stored-bytes ratio (issue #17 item 1)", "",
@@ -271,8 +281,8 @@ def main(argv=None) -> int:
              "ratio (reported): `compressor.stats().ratio`; saved ratio: the uncompressed step's saved bytes (each "
              "storage once) / stored bytes; peak: `measure_step_memory` (allocator events); peak ÷: the same "
              "model's uncompressed peak / this peak; peak ÷ / ratio: over the saved ratio (bold: the issue's 80% "
-             "met); peak ÷ vs default attention: act_chunked rows against the default attention's uncompressed "
-             "peak.", ""]
+             "met); peak ÷ vs plain model: act_chunked rows against the default attention's uncompressed peak, "
+             "bounded rows (`lightning_act.nn.convert_bounded_cnn`) against the unconverted model's.", ""]
     lines += table(rows)
     if not args.no_breakdown:
         lines += ["", "What is alive at each peak (MiB; `peak_breakdown`): compressed = blocks the codecs allocated "

@@ -51,11 +51,11 @@ class ACTConfig:
     """How saved activations are compressed.
 
     The fields fall in three groups. The level and the engine: ``opt_level``, ``min_numel``, ``compress_masks``,
-    ``blpa_bits``, ``swap``, ``checkpointing``, ``efficient_attention``. The codec: ``codec`` and its options,
-    given by the fields its class lists in ``config_fields`` (``bits``, ``group_size``, ``stats_dtype``, ``seed``,
-    ``backend``, ``error_bound``) and any other constructor argument in ``codec_options``. Auto-precision:
-    ``adaptive``, ``adapt_interval``, ``bit_budget``, ``adapt_fraction``, ``alert_ratio``. The memory-budget
-    mode: ``memory_budget``.
+    ``blpa_bits``, ``bounded_cnn``, ``swap``, ``checkpointing``, ``efficient_attention``. The codec: ``codec`` and
+    its options, given by the fields its class lists in ``config_fields`` (``bits``, ``group_size``,
+    ``stats_dtype``, ``seed``, ``backend``, ``error_bound``) and any other constructor argument in
+    ``codec_options``. Auto-precision: ``adaptive``, ``adapt_interval``, ``bit_budget``, ``adapt_fraction``,
+    ``alert_ratio``. The memory-budget mode: ``memory_budget``.
 
     Args:
         opt_level: GACT optimisation level, one of ``LEVELS`` (see the module table). Unset fields take the
@@ -74,6 +74,10 @@ class ACTConfig:
         blpa_bits: ``4`` or ``8`` replaces each BatchNorm -> ReLU -> Conv/Linear run of ``nn.Sequential``
             children by BLPA's block (exact forward, ``blpa_bits`` sign-preserving codes for backward) when the
             compressor is built; ``None`` (default) leaves the model as it is.
+        bounded_cnn: during each compressed forward, Conv2d -> BatchNorm2d (-> ReLU) runs of ``nn.Sequential``
+            children and ``lightning_act.models``' residual merges run with backwards that hold two full
+            tensors plus batch chunks (:func:`lightning_act.nn.convert_bounded_cnn`, undone when the forward
+            ends); off by default.
         seed: seed of the counter-based stochastic-rounding noise.
         backend: ``"auto"`` (CuPy kernels for CUDA tensors when CuPy imports, else torch), ``"torch"``, ``"cupy"``.
         error_bound: absolute error bound for error-bounded codecs.
@@ -106,6 +110,7 @@ class ACTConfig:
     min_numel: int = 4096
     compress_masks: bool = True
     blpa_bits: int | None = None
+    bounded_cnn: bool = False
     seed: int = 0
     backend: str = "auto"
     error_bound: float | None = None
@@ -146,7 +151,7 @@ class ACTConfig:
         check_int("group_size", self.group_size, minimum=32, multiple_of=32)
         check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
         check_int("min_numel", self.min_numel, minimum=0)
-        for flag in ("compress_masks", "swap", "checkpointing", "efficient_attention", "side_stream"):
+        for flag in ("compress_masks", "bounded_cnn", "swap", "checkpointing", "efficient_attention", "side_stream"):
             check_choice(flag, getattr(self, flag), (True, False))
         if self.side_stream and self.swap:
             raise ValueError(f"side_stream=True encodes on a side stream that swap=True's copies do not wait for; got "

@@ -3,6 +3,8 @@
 
 * BLPA: ``ACTConfig(blpa_bits=4|8)`` converts BatchNorm -> ReLU -> Conv/Linear runs into BLPA blocks once, when
   the compressor is built (``compressor.blpa_blocks`` says how many);
+* bounded CNN backwards: ``ACTConfig(bounded_cnn=True)`` converts Conv2d -> BatchNorm2d (-> ReLU) runs and
+  residual merges (:func:`lightning_act.nn.convert_bounded_cnn`) for the duration of each forward;
 * ``torch.compile``: a compiled model gets a warning (its saved tensors are not compressed, pytorch#148222);
 * HuggingFace checkpointing: during each forward, layers that checkpoint go through the compressed checkpoint
   (all checkpointable layers at CB1/CB2), with a warning when the level asks for checkpointing and the model
@@ -24,6 +26,7 @@ from .engine import ActivationCompressor, register_model_preparation
 from .fsdp import FSDPParameters
 from .nn.attention import use_chunked_attention
 from .nn.blpa import convert_bn_relu
+from .nn.bounded_cnn import convert_bounded_cnn, is_bounded, unconvert_bounded_cnn
 
 
 class BLPAConversion:
@@ -35,6 +38,26 @@ class BLPAConversion:
 
     def forward_context(self, compressor: ActivationCompressor) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+
+class BoundedCNNConversion:
+    """Bounded Conv-BN-ReLU and residual-merge backwards during each forward (``ACTConfig.bounded_cnn``); a model
+    the user converted stays as it is."""
+
+    def prepare(self, compressor: ActivationCompressor) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def forward_context(self, compressor: ActivationCompressor) -> Iterator[None]:
+        model = compressor.model
+        if model is None or not compressor.config.bounded_cnn or is_bounded(model):
+            yield
+            return
+        convert_bounded_cnn(model)
+        try:
+            yield
+        finally:  # the graph built meanwhile keeps its bounded nodes; the model is the user's again
+            unconvert_bounded_cnn(model)
 
 
 class CompiledModelWarning:
@@ -80,5 +103,5 @@ class HuggingFaceLayers:
             yield
 
 
-for _preparation in (BLPAConversion(), CompiledModelWarning(), HuggingFaceLayers(), FSDPParameters()):
+for _preparation in (BLPAConversion(), BoundedCNNConversion(), CompiledModelWarning(), HuggingFaceLayers(), FSDPParameters()):
     register_model_preparation(_preparation)

@@ -17,6 +17,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from .nn.bounded_cnn import ResidualReLU
+
 
 # ---- images ---------------------------------------------------------------------------------------------------
 class Bottleneck(nn.Module):
@@ -31,9 +33,10 @@ class Bottleneck(nn.Module):
             nn.Conv2d(width, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels))
         self.shortcut = nn.Identity() if stride == 1 and in_channels == out_channels else nn.Sequential(
             nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels))
+        self.merge = ResidualReLU()  # relu(body + shortcut); lightning_act.nn.convert_bounded_cnn bounds its backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.body(x) + self.shortcut(x))
+        return self.merge.residual(x, self.body, self.shortcut)
 
 
 def resnet50(num_classes: int = 1000) -> nn.Sequential:

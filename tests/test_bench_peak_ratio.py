@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -28,6 +29,23 @@ def test_bench_peak_ratio_tiny_reports_every_row_with_its_breakdown(tmp_path):
     assert report.count("| torch checkpoint |") == 2 * 5
     ratio_rows = [r for r in rows if "%" in r]
     assert len(ratio_rows) == 5 and all("failed" not in r for r in rows)
+
+
+def test_bench_peak_ratio_tiny_bounded_rows_compare_with_the_unconverted_baseline(tmp_path):
+    out = tmp_path / "bounded.md"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peak_ratio.py"), "--tiny", "--models",
+                             "resnet50-cl", "resnet50-cl-bounded", "--no-breakdown", "--out", str(out)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {tuple(cells[:2]): cells for cells in (line.strip("| ").split(" | ") for line in out.read_text().splitlines()
+                                                  if line.startswith("| ResNet-8"))}
+    plain = "ResNet-8 (w8) 4x32², channels_last"
+    bounded = rows[(plain + ", bounded", "4-bit")]
+    peak = float(bounded[5])
+    # peak ÷ against its own baseline and against the unconverted one (table figures rounded to 0.1 MiB)
+    assert float(bounded[6]) == pytest.approx(float(rows[(plain + ", bounded", "baseline")][5]) / peak, rel=0.1)
+    assert float(bounded[8]) == pytest.approx(float(rows[(plain, "baseline")][5]) / peak, rel=0.1)
+    assert rows[(plain, "4-bit")][8] == "-"
 
 
 def _mlp():
