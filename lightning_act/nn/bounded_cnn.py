@@ -45,14 +45,6 @@ __all__ = ["BoundedSequential", "ResidualReLU", "conv_bn_act", "convert_bounded_
 _DIMS = (0, 2, 3)  # BatchNorm2d's reduction dims
 
 
-def _rows(n: int, row_bytes: int, chunk_bytes: int | str) -> int:
-    rows = chunk_rows(chunk_bytes, row_bytes)
-    # the engine stores a view covering half its storage or more as the whole storage: never 2 chunks
-    if math.ceil(n / rows) == 2:
-        rows = n // 3 if n >= 3 else n
-    return rows
-
-
 def _channels_last(t: torch.Tensor) -> bool:
     return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
@@ -121,8 +113,7 @@ class _Fork(torch.autograd.Function):
         ctx.mean, ctx.invstd, ctx.batch_stats = _channel(mean.to(wide)), _channel(invstd.to(wide)), batch_stats
         ctx.conv, ctx.relu, ctx.identity, ctx.x_meta = conv, relu, identity, (x.shape, x.dtype, _channels_last(x))
         xc = x.to(z.dtype)  # what the convolution read (autocast's copy), saved for its weight gradient
-        rows = _rows(z.shape[0], max(z[0].numel() * z.element_size(), xc[0].numel() * xc.element_size(), 1),
-                     chunk_bytes)
+        rows = chunk_rows(chunk_bytes, max(z[0].numel() * z.element_size(), xc[0].numel() * xc.element_size(), 1))
         ctx.bounds, ctx.z_cl, ctx.xc_cl = row_bounds(z.shape[0], rows), _channels_last(z), _channels_last(xc)
         ctx.z_shape, ctx.conv_dtype, ctx.out_cl = z.shape, z.dtype, _channels_last(out)
         ctx.bn_dtype = (gamma if gamma is not None else beta if beta is not None else z).dtype
@@ -243,7 +234,7 @@ class _AddReLU(torch.autograd.Function):
             out = a.add_(b).relu_()
         else:
             out = torch.add(a, b).relu_()
-        rows = _rows(out.shape[0], max(out[0].numel() * out.element_size(), 1), chunk_bytes)
+        rows = chunk_rows(chunk_bytes, max(out[0].numel() * out.element_size(), 1))
         ctx.bounds, ctx.cl, ctx.dtypes = row_bounds(out.shape[0], rows), _channels_last(out), (a.dtype, b.dtype)
         ctx.save_for_backward(*_signs(out, rows, ctx.cl))
         return out
