@@ -18,7 +18,7 @@ import functools
 import torch
 
 from .. import rng
-from ._bitpack import pack_codes_, packed_nbytes
+from ._bitpack import pack_codes_, packed_nbytes, unpack_codes_
 from .floats import CANONICAL_NAN, INT_VIEW, canonical_nan_
 from .quantize import chunk_elements, groups_per_chunk
 
@@ -112,16 +112,13 @@ def _encode_graph(bits: int, group_size: int, stats_dtype: torch.dtype):
     return encode
 
 
-def _decode_graph(bits: int, group_size: int, dtype: torch.dtype):
-    """The chunk decode: ``(payload, mn, step) -> values`` in ``dtype`` (NaN canonical) for whole groups."""
-    def decode(payload, mn, step):
-        if bits == 8:
-            codes = payload.view(-1, group_size)
-        else:
-            shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=payload.device)
-            words = payload.view(-1, group_size * bits // 8, 1).to(torch.int32)
-            codes = ((words >> shifts) & ((1 << bits) - 1)).view(-1, group_size)
-        x = (codes.float() * step.float()[:, None] + mn.float()[:, None]).to(dtype)
+def _decode_graph(group_size: int, dtype: torch.dtype):
+    """The chunk decode: ``(codes, mn, step) -> values`` (``dtype``'s integer view, NaN canonical) for whole groups
+    of codes, one byte each (unpacked outside the graph: inductor does not vectorise a byte's spreading over
+    several elements)."""
+
+    def decode(codes, mn, step):
+        x = (codes.view(-1, group_size).float() * step.float()[:, None] + mn.float()[:, None]).to(dtype)
         # the canonical NaN through the integer view (inductor writes bfloat16 NaN as 0xffff)
         return torch.where(torch.isnan(x), CANONICAL_NAN[dtype], x.view(INT_VIEW[dtype])).view(-1)
 
@@ -134,7 +131,7 @@ def _compiled(kind: str, bits: int, group_size: int, dtype: torch.dtype, stats_d
     """The compiled ``kind`` ("encode" or "decode") graph for values of ``dtype`` and statistics of
     ``stats_dtype`` on ``device_type``. Each variant gets its own code object: dynamo caches compiled graphs per
     code object (at most ``recompile_limit`` of them), so variants sharing one would evict each other."""
-    fn = _encode_graph(bits, group_size, stats_dtype) if kind == "encode" else _decode_graph(bits, group_size, dtype)
+    fn = _encode_graph(bits, group_size, stats_dtype) if kind == "encode" else _decode_graph(group_size, dtype)
     name = f"{kind}_{bits}bit_g{group_size}_{dtype}_{stats_dtype}_{device_type}".replace("torch.", "")
     fn = type(fn)(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
     # CUDA: IEEE division, subnormals kept and no fused multiply-add (the specification's single float32
@@ -196,11 +193,15 @@ def quantize_compiled(x: torch.Tensor, bits: int, group_size: int, stats_dtype: 
         g0, g1 = e0 // group_size, -(-e1 // group_size)
         mn_out[g0:g1] = mn[: g1 - g0]
         step_out[g0:g1] = step[: g1 - g0]
-        if bits < 8:
-            if length > m:
-                codes[m:] = 0  # the specification packs zeros after the last element
-            codes = pack_codes_(codes, bits, codes.new_empty(length * bits // 8))
-        payload[e0 * bits // 8 : packed_nbytes(e1, bits)] = codes[: packed_nbytes(m, bits)]
+        out = payload[e0 * bits // 8 : packed_nbytes(e1, bits)]
+        if length > m:
+            codes[m:] = 0  # the specification packs zeros after the last element
+        if bits == 8:
+            out.copy_(codes[:m])
+        elif length == m:  # whole groups: packed straight into the payload
+            pack_codes_(codes, bits, out)
+        else:
+            out.copy_(pack_codes_(codes, bits, codes.new_empty(length * bits // 8))[: out.numel()])
     canonical_nan_(mn_out)
     canonical_nan_(step_out)
     return payload, mn_out, step_out
@@ -213,7 +214,10 @@ def dequantize_compiled(payload: torch.Tensor, mn: torch.Tensor, step: torch.Ten
     if numel == 0:
         return out
     decode = _compiled("decode", bits, group_size, dtype, mn.dtype, payload.device.type)
-    for e0, e1, length in _pieces(numel, group_size, _chunk(group_size, bits, payload.device)):
+    pieces = list(_pieces(numel, group_size, _chunk(group_size, bits, payload.device)))
+    if bits < 8:  # the codes, a byte each, and the unpacking's scratch: reused from piece to piece
+        codes_ws, scratch = torch.empty(2, max(p[2] for p in pieces), dtype=torch.uint8, device=payload.device)
+    for e0, e1, length in pieces:
         m = e1 - e0
         g0, g1 = e0 // group_size, -(-e1 // group_size)
         codes, mn_c, step_c = payload[e0 * bits // 8 : packed_nbytes(e1, bits)], mn[g0:g1], step[g0:g1]
@@ -221,5 +225,7 @@ def dequantize_compiled(payload: torch.Tensor, mn: torch.Tensor, step: torch.Ten
             codes = torch.cat([codes, codes.new_zeros(length * bits // 8 - codes.numel())])
             mn_c = torch.cat([mn_c, mn_c.new_zeros(length // group_size - mn_c.numel())])
             step_c = torch.cat([step_c, step_c.new_zeros(length // group_size - step_c.numel())])
+        if bits < 8:
+            codes = unpack_codes_(codes, bits, codes_ws[:length], scratch)
         out[e0:e1] = decode(codes, mn_c, step_c)[:m].view(dtype)
     return out
