@@ -131,3 +131,18 @@ def test_config_and_codec_fail_when_built_where_torch_compile_cannot_run(monkeyp
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match=r"backend='inductor'; expected one of .*'compile'"):
         act.codecs.get("quantize", backend="inductor")
+
+
+def test_new_lengths_reuse_the_compiled_graphs():
+    """The chunk length is dynamic: after the first sizes, other sizes (a last chunk of any length) compile
+    nothing more."""
+    from torch._dynamo.utils import counters
+
+    codec, reference = (act.codecs.get("quantize", bits=4, backend=b) for b in ("compile", "torch"))
+    codec.decode(codec.encode(torch.randn(3 * GROUP + 7)))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for n in (2 * GROUP, 5 * GROUP + 1, chunk_elements(torch.device("cpu")) + 9 * GROUP + 3):
+        x = torch.randn(n)
+        assert torch.equal(codec.decode(codec.encode(x)), reference.decode(reference.encode(x)))
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -19,8 +19,8 @@ import torch
 
 from .. import rng
 from ._bitpack import pack_codes_, packed_nbytes, unpack_codes_
-from .floats import CANONICAL_NAN, INT_VIEW, canonical_nan_
-from .quantize import chunk_elements, groups_per_chunk
+from .floats import CANONICAL_NAN, canonical_nan_
+from .quantize import chunk_elements, groups_per_chunk, may_decode_nan
 
 HINT = "use backend='torch' (same bits, no compiler needed)"
 CHUNK_FACTOR = 4
@@ -113,14 +113,13 @@ def _encode_graph(bits: int, group_size: int, stats_dtype: torch.dtype):
 
 
 def _decode_graph(group_size: int, dtype: torch.dtype):
-    """The chunk decode: ``(codes, mn, step) -> values`` (``dtype``'s integer view, NaN canonical) for whole groups
-    of codes, one byte each (unpacked outside the graph: inductor does not vectorise a byte's spreading over
-    several elements)."""
+    """The chunk decode: ``(codes, mn, step) -> values`` in ``dtype`` for whole groups of codes, one byte each
+    (unpacked outside the graph: inductor does not vectorise a byte's spreading over several elements). NaN are
+    left as computed (the caller canonicalises them where there can be any: a NaN test and the integer view
+    would run element by element)."""
 
-    def decode(codes, mn, step):
-        x = (codes.view(-1, group_size).float() * step.float()[:, None] + mn.float()[:, None]).to(dtype)
-        # the canonical NaN through the integer view (inductor writes bfloat16 NaN as 0xffff)
-        return torch.where(torch.isnan(x), CANONICAL_NAN[dtype], x.view(INT_VIEW[dtype])).view(-1)
+    def decode(codes, mn, step, out):
+        out.copy_((codes.view(-1, group_size).float() * step.float()[:, None] + mn.float()[:, None]).view(-1))
 
     return decode
 
@@ -140,9 +139,12 @@ def _compiled(kind: str, bits: int, group_size: int, dtype: torch.dtype, stats_d
                "eager_numerics.disable_ftz": True} if device_type == "cuda" else {}
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
-    def run(x, *args):
-        torch._dynamo.mark_dynamic(x, 0)  # one graph for every chunk length
-        return compiled(x, *args)
+    dynamic = 1 if kind == "encode" else 4  # the inputs whose length is the chunk's (decode: codes, mn, step, out)
+
+    def run(*args):
+        for t in args[:dynamic]:
+            torch._dynamo.mark_dynamic(t, 0)  # one graph for every chunk length
+        return compiled(*args)
 
     return run
 
@@ -215,6 +217,7 @@ def dequantize_compiled(payload: torch.Tensor, mn: torch.Tensor, step: torch.Ten
         return out
     decode = _compiled("decode", bits, group_size, dtype, mn.dtype, payload.device.type)
     pieces = list(_pieces(numel, group_size, _chunk(group_size, bits, payload.device)))
+    canonical_nan = may_decode_nan(mn, step)
     if bits < 8:  # the codes, a byte each, and the unpacking's scratch: reused from piece to piece
         codes_ws, scratch = torch.empty(2, max(p[2] for p in pieces), dtype=torch.uint8, device=payload.device)
     for e0, e1, length in pieces:
@@ -227,5 +230,12 @@ def dequantize_compiled(payload: torch.Tensor, mn: torch.Tensor, step: torch.Ten
             step_c = torch.cat([step_c, step_c.new_zeros(length // group_size - step_c.numel())])
         if bits < 8:
             codes = unpack_codes_(codes, bits, codes_ws[:length], scratch)
-        out[e0:e1] = decode(codes, mn_c, step_c)[:m].view(dtype)
+        if length == m:
+            decode(codes, mn_c, step_c, out[e0:e1])
+        else:
+            values = out.new_empty(length)
+            decode(codes, mn_c, step_c, values)
+            out[e0:e1] = values[:m]
+        if canonical_nan:
+            canonical_nan_(out[e0:e1])
     return out
