@@ -15,6 +15,7 @@ from lightning_act.formats import compiled
 from lightning_act.formats._bitpack import pack_codes_
 from lightning_act.formats.floats import INT_VIEW
 from lightning_act.formats.quantize import Workspace, chunk_elements, dequantize_spec, encode_groups, quantize_spec
+from lightning_act.profiling import measure_step_memory
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
 
@@ -146,3 +147,17 @@ def test_new_lengths_reuse_the_compiled_graphs():
         x = torch.randn(n)
         assert torch.equal(codec.decode(codec.encode(x)), reference.decode(reference.encode(x)))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_encode_and_decode_allocate_their_results_and_chunk_sized_workspaces():
+    """As on the torch path (tests/test_transients.py): a 16 MiB input costs its outputs plus workspaces of a
+    chunk's size (the codes and the unpacking's scratch, a byte per element of 4 torch-path chunks each)."""
+    slack = max(2 * 2**20, 16 * chunk_elements(torch.device("cpu")))
+    codec = act.codecs.get("quantize", bits=4, backend="compile")
+    x = torch.randn(1 << 22)
+    codec.decode(codec.encode(x))  # warm-up: the profiler sizes frees only of blocks it saw allocated
+    out = []
+    peak = measure_step_memory(lambda: out.append(codec.encode(x))).peak_bytes
+    assert peak <= out[0].nbytes + slack, f"encode peaked {peak / 2**20:.1f} MiB"
+    peak = measure_step_memory(lambda: out.append(codec.decode(out[0]))).peak_bytes
+    assert peak <= x.numel() * 4 + slack, f"decode peaked {peak / 2**20:.1f} MiB"
