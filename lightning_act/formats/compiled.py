@@ -3,11 +3,12 @@
 pipeline (the random words, the group minimum and maximum, the scaling, the noise and the rounding) into a couple
 of loops: C++/OpenMP on CPU, Triton on CUDA.
 
-One compiled graph per variant (kind, bits, group size, statistics dtype, value dtype, device type), built on first
+One compiled graph per variant (kind, bits, group size, value dtype, statistics dtype, device type), built on first
 use and cached; its chunk length is a dynamic dimension, so the last, shorter chunk reuses the same code. Chunks
-of whole groups are bounded as on the torch path (``chunk_elements``): an encode allocates its outputs and a
-chunk's codes, a decode its output. A short last group goes through the same graph padded to a whole group with
-copies of its last element (min and max unchanged), as the specification pads it.
+of whole groups are bounded (``CHUNK_FACTOR`` torch-path chunks): an encode allocates its outputs and a chunk's
+codes (a byte per element: inductor keeps the float values in registers), a decode its output and a chunk's codes
+and scratch. The last chunk's end (a short group, or fewer than two groups) goes through the same graph padded to
+whole groups with copies of its last element (min and max unchanged), as the specification pads it.
 
 ``check_available`` raises, when a codec is built, where ``torch.compile`` cannot run.
 """
@@ -23,6 +24,8 @@ from .floats import CANONICAL_NAN, canonical_nan_
 from .quantize import chunk_elements, groups_per_chunk, may_decode_nan
 
 HINT = "use backend='torch' (same bits, no compiler needed)"
+# Elements per graph call, in torch-path chunks (formats.quantize.chunk_elements): larger than the torch path's, as
+# a call costs tens of microseconds on the host while its temporaries are only the byte-per-element codes
 CHUNK_FACTOR = 4
 _MASK32 = rng.MASK32
 
@@ -144,16 +147,19 @@ def _compiled(kind: str, bits: int, group_size: int, dtype: torch.dtype, stats_d
     def run(*args):
         for t in args[:dynamic]:
             torch._dynamo.mark_dynamic(t, 0)  # one graph for every chunk length
-        return compiled(*args)
+        # the same global state from every caller (a pack hook runs with grad on, maybe under autocast): no graph
+        # compiled again for it, and no autograd graph
+        with torch.no_grad(), torch.autocast(device_type, enabled=False):
+            return compiled(*args)
 
     return run
 
 
 def _pieces(n: int, group_size: int, chunk: int):
     """``(start, end, length)`` of the graph calls covering ``n`` elements: chunks of ``chunk`` elements (whole
-    groups, at least two) as they are (``length = end - start``), and at the end at most three groups that end
-    short or number fewer than two, padded to ``length``, whole groups and at least two (a dimension of size 1
-    would be specialised, and compiled again)."""
+    groups, at least two) go as they are (``length == end - start``); the end, when it holds a short group or
+    fewer than two groups, goes as at most three groups padded to ``length`` elements, whole groups and at least
+    two (a dimension of size 1 would be specialised, and compiled again)."""
     start = 0
     while n - start > chunk:
         yield start, start + chunk, chunk
@@ -169,8 +175,7 @@ def _pieces(n: int, group_size: int, chunk: int):
 
 
 def _chunk(group_size: int, bits: int, device: torch.device) -> int:
-    """Elements per graph call: ``CHUNK_FACTOR`` torch-path chunks (the graph keeps no float temporaries: a chunk
-    costs its 1-byte codes), whole groups, at least two."""
+    """Elements per graph call: about ``CHUNK_FACTOR`` torch-path chunks, whole groups, at least two."""
     return groups_per_chunk(group_size, bits, max(2 * group_size, CHUNK_FACTOR * chunk_elements(device))) * group_size
 
 
