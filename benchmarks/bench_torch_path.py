@@ -43,10 +43,16 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+# wall: elapsed time; cpu: CPU time of this process (all its threads). With one thread, cpu is what the call takes
+# on an unshared core: on a shared machine, the time slices other processes take are not counted.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = CLOCKS["wall"]
+
+
 def _timed(fn) -> tuple[float, int, object]:
-    faults, start = _faults(), time.perf_counter()
+    faults, start = _faults(), _clock()
     result = fn()
-    return time.perf_counter() - start, _faults() - faults, result
+    return _clock() - start, _faults() - faults, result
 
 
 def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=tuple(DTYPES),
@@ -56,6 +62,7 @@ def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=t
     the ``compiled`` codecs also with ``backend="compile"``, whose first encode and decode (the compilation, or
     none where this process compiled that variant already) are timed alone."""
     rows = []
+    clock = next(name for name, c in CLOCKS.items() if c is _clock)
     for dtype_name in dtypes:
         torch.manual_seed(0)
         x = torch.relu(torch.randn(shape)).to(DTYPES[dtype_name])
@@ -90,11 +97,11 @@ def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=t
                          "clone_gbps": gbps(s["clone"]), "copy_gbps": gbps(s["copy"]),
                          "clone_faults": statistics.median(faults),
                          "encode_vs_clone": s["clone"] / s["encode"], "decode_vs_clone": s["clone"] / s["decode"],
-                         "encode_vs_copy": s["copy"] / s["encode"], "repeats": repeats})
+                         "encode_vs_copy": s["copy"] / s["encode"], "repeats": repeats, "clock": clock})
             r = rows[-1]
             print(f"  {torch.get_num_threads()} thr {dtype_name} {name} {backend}: encode {r['encode_gbps']:.3g} "
-                  f"GB/s = {r['encode_vs_clone']:.3f} of clone ({r['clone_gbps']:.3g} GB/s, {r['clone_faults']:.0f} faults), "
-                  f"{r['encode_vs_copy']:.3f} of copy_ ({r['copy_gbps']:.3g} GB/s); decode {r['decode_gbps']:.3g} GB/s"
+                  f"GB/s = {r['encode_vs_clone']:.3f} of clone ({r['clone_gbps']:.3g} GB/s, "
+                  f"{r['clone_faults']:.0f} faults), {r['encode_vs_copy']:.3f} of copy_ ({r['copy_gbps']:.3g} GB/s); decode {r['decode_gbps']:.3g} GB/s"
                   + (f"; first encode {first['encode']:.1f} s, decode {first['decode']:.1f} s" if first else ""),
                   flush=True)
     return rows
@@ -119,13 +126,21 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _clock_note(rows: list[dict]) -> str:
+    if rows[0].get("clock", "wall") == "wall":
+        return ""
+    return (" by this process's CPU time, not elapsed time (with one thread: what each call takes on an unshared "
+            "core; with two: the sum over both threads)")
+
+
 def description(rows: list[dict]) -> str:
     shapes = list(dict.fromkeys(" x ".join(map(str, r["shape"])) for r in rows))
     shape = " and ".join(shapes) + (" tensors" if len(shapes) > 1 else " tensor")
     return (f"`backend=\"torch\"` and `backend=\"compile\"` codecs on a ReLU'd Gaussian {shape}; GB/s of the input "
-            f"tensor (its own dtype), medians of {rows[0]['repeats']} rounds after a warm-up, each round timing clone, copy_, encode "
-            "and decode in turn. clone: `torch.clone` (a fresh allocation per call, the issue's baseline; its page "
-            "faults per call in brackets: a large fresh allocation is mapped in by the kernel page by page, so "
+            f"tensor (its own dtype), medians of {rows[0]['repeats']} rounds after a warm-up, each round timing clone, "
+            f"copy_, encode and decode in turn{_clock_note(rows)}. clone: `torch.clone` (a fresh allocation per "
+            "call, the issue's baseline; its page faults per call in brackets: a large fresh allocation is mapped in "
+            "by the kernel page by page, so "
             "clone is the copy plus the faults); copy_: `out.copy_(x)` into a tensor allocated once (the copy "
             f"alone). ✗: encode below {TARGET:g} of clone (issue #20's target). division: B=8, Q=2. compile: "
             "`torch.compile` (inductor) of the quantize chunk pipeline; its first encode and decode, in seconds, "
@@ -153,6 +168,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--shape", type=int, nargs="+", default=[16, 256, 56, 56])
     parser.add_argument("--shapes", nargs="+", help="several shapes, each as AxBxCxD (instead of --shape)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time (one thread: an unshared core's time)")
     parser.add_argument("--threads", type=int, nargs="+", help="torch thread counts to measure (default: torch's)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--compiled", nargs="*", choices=COMPILED, default=list(COMPILED),
@@ -160,6 +177,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "torch_path.md")
     args = parser.parse_args(argv)
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes] if args.shapes else [tuple(args.shape)]
+    global _clock
+    _clock = CLOCKS[args.clock]
     rows = []
     with MachineLoad() as load:
         for shape in shapes:
@@ -170,6 +189,7 @@ def main(argv=None) -> list[dict]:
         f" --shapes {' '.join(args.shapes)}" if args.shapes else
         f" --shape {' '.join(map(str, args.shape))}" if args.shape != [16, 256, 56, 56] else "") + (
         f" --repeats {args.repeats}" if args.repeats != 5 else "") + (
+        f" --clock {args.clock}" if args.clock != "wall" else "") + (
         f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + (
         f" --dtypes {' '.join(args.dtypes)}" if args.dtypes != list(DTYPES) else "") + (
         f" --compiled {' '.join(args.compiled)}" if args.compiled != list(COMPILED) else "")
