@@ -101,7 +101,8 @@ def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=t
             r = rows[-1]
             print(f"  {torch.get_num_threads()} thr {dtype_name} {name} {backend}: encode {r['encode_gbps']:.3g} "
                   f"GB/s = {r['encode_vs_clone']:.3f} of clone ({r['clone_gbps']:.3g} GB/s, "
-                  f"{r['clone_faults']:.0f} faults), {r['encode_vs_copy']:.3f} of copy_ ({r['copy_gbps']:.3g} GB/s); decode {r['decode_gbps']:.3g} GB/s"
+                  f"{r['clone_faults']:.0f} faults), {r['encode_vs_copy']:.3f} of copy_ ({r['copy_gbps']:.3g} GB/s); "
+                  f"decode {r['decode_gbps']:.3g} GB/s"
                   + (f"; first encode {first['encode']:.1f} s, decode {first['decode']:.1f} s" if first else ""),
                   flush=True)
     return rows
