@@ -128,13 +128,16 @@ def _decode_graph(group_size: int, dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, bits: int, group_size: int, dtype: torch.dtype, stats_dtype: torch.dtype,
+def _compiled(kind: str, bits: int | None, group_size: int, dtype: torch.dtype, stats_dtype: torch.dtype,
               device_type: str):
-    """The compiled ``kind`` ("encode" or "decode") graph for values of ``dtype`` and statistics of
-    ``stats_dtype`` on ``device_type``. Each variant gets its own code object: dynamo caches compiled graphs per
-    code object (at most ``recompile_limit`` of them), so variants sharing one would evict each other."""
+    """The compiled ``kind`` ("encode" or "decode", whose graph is the same for every ``bits``: None) graph for
+    values of ``dtype`` and statistics of ``stats_dtype`` on ``device_type``. Each variant gets its own code
+    object: dynamo caches compiled graphs per code object (at most ``recompile_limit`` of them), so variants
+    sharing one would evict each other."""
     fn = _encode_graph(bits, group_size, stats_dtype) if kind == "encode" else _decode_graph(group_size, dtype)
-    name = f"{kind}_{bits}bit_g{group_size}_{dtype}_{stats_dtype}_{device_type}".replace("torch.", "")
+    parts = [kind, *([f"{bits}bit"] if bits is not None else []), f"g{group_size}", str(dtype), str(stats_dtype),
+             device_type]
+    name = "_".join(parts).replace("torch.", "")
     fn = type(fn)(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
     # CUDA: IEEE division, subnormals kept and no fused multiply-add (the specification's single float32
     # operations; inductor's C++ already compiles with -ffp-contract=off and without -ffast-math)
@@ -220,7 +223,7 @@ def dequantize_compiled(payload: torch.Tensor, mn: torch.Tensor, step: torch.Ten
     out = torch.empty(numel, dtype=dtype, device=payload.device)
     if numel == 0:
         return out
-    decode = _compiled("decode", bits, group_size, dtype, mn.dtype, payload.device.type)
+    decode = _compiled("decode", None, group_size, dtype, mn.dtype, payload.device.type)
     pieces = list(_pieces(numel, group_size, _chunk(group_size, bits, payload.device)))
     canonical_nan = may_decode_nan(mn, step)
     if bits < 8:  # the codes, a byte each, and the unpacking's scratch: reused from piece to piece
