@@ -78,7 +78,7 @@ def test_counter_crosses_a_2_to_the_32_element_index_like_the_torch_path():
     x = _values(2 * group, torch.float32)
     start, base = 2**32 - 100, rng.stream_base(3, 11)
     encode = compiled._compiled("encode", bits, group, torch.float32, torch.float32, "cpu")
-    codes, mn, step = encode(x, compiled.counter(base, start, x.device), torch.tensor(15.0))
+    codes, mn, step = encode(x, compiled.counters(base, [start], x.device)[0], torch.tensor(15.0))
     payload = torch.empty(x.numel() * bits // 8, dtype=torch.uint8)
     mn_ref, step_ref = torch.empty(2), torch.empty(2)
     encode_groups(x, start, group, bits, torch.float32, base, Workspace(x.numel(), x.device), payload, mn_ref,

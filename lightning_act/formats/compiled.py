@@ -75,12 +75,22 @@ def _bfloat16_directed(v: torch.Tensor, down: bool) -> torch.Tensor:
     return torch.where(pattern >= 0x8000, pattern - 0x10000, pattern).to(torch.int16).view(torch.bfloat16)
 
 
-def counter(base: int, start: int, device: torch.device) -> torch.Tensor:
-    """The ``counter`` of :func:`_encode_graph` for a chunk starting at element index ``start``."""
-    lo, hi = start & _MASK32, start >> 32
-    words = [lo, rng.mix32(base ^ hi), rng.mix32(base ^ (hi + 1))]
-    return torch.tensor([rng._signed32(w) for w in words] + [min((1 << 32) - lo, (1 << 31) - 1)], dtype=torch.int32,
-                        device=device)
+def counters(base: int, starts: list[int], device: torch.device) -> torch.Tensor:
+    """The ``counter`` rows of :func:`_encode_graph` for chunks starting at the element indices ``starts``: one
+    host-to-device copy per tensor (pinned, asynchronous), not one per chunk."""
+    rows = []
+    for start in starts:
+        lo, hi = start & _MASK32, start >> 32
+        words = [lo, rng.mix32(base ^ hi), rng.mix32(base ^ (hi + 1))]
+        rows.append([rng._signed32(w) for w in words] + [min((1 << 32) - lo, (1 << 31) - 1)])
+    table = torch.tensor(rows, dtype=torch.int32)
+    return table if device.type == "cpu" else table.pin_memory().to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _levels(bits: int, device: torch.device) -> torch.Tensor:
+    """``2**bits - 1`` as a float32 tensor on ``device`` (made once: no copy per encode)."""
+    return torch.tensor(float((1 << bits) - 1), device=device)
 
 
 def _encode_graph(bits: int, group_size: int, stats_dtype: torch.dtype):
@@ -193,13 +203,14 @@ def quantize_compiled(x: torch.Tensor, bits: int, group_size: int, stats_dtype: 
     if n == 0:
         return payload, mn_out, step_out
     encode = _compiled("encode", bits, group_size, x.dtype, stats_dtype, x.device.type)
-    levels = torch.tensor(float((1 << bits) - 1), device=x.device)
-    base = rng.stream_base(seed, key)
-    for e0, e1, length in _pieces(n, group_size, _chunk(group_size, bits, x.device)):
+    levels = _levels(bits, x.device)
+    pieces = list(_pieces(n, group_size, _chunk(group_size, bits, x.device)))
+    table = counters(rng.stream_base(seed, key), [p[0] for p in pieces], x.device)
+    for (e0, e1, length), counter in zip(pieces, table):
         m, values = e1 - e0, flat[e0:e1]
         if length > m:  # padded with copies of the last element (min and max unchanged)
             values = torch.cat([values, values[-1:].expand(length - m)])
-        codes, mn, step = encode(values, counter(base, e0, x.device), levels)
+        codes, mn, step = encode(values, counter, levels)
         g0, g1 = e0 // group_size, -(-e1 // group_size)
         mn_out[g0:g1] = mn[: g1 - g0]
         step_out[g0:g1] = step[: g1 - g0]
