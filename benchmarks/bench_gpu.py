@@ -14,11 +14,13 @@ autocast, forward + backward + AdamW. ``--tiny``: a ResNet-8, a 2-layer BERT, a 
 thread.
 
 Configurations (``METHODS``): the baseline; ``ACTConfig`` L1 (auto-precision, one full round first), fixed 4 and
-2 bits, L1 and 4-bit with ``side_stream=True`` (encodes on a side stream), ``division``, ``lorenzo`` (eb 1e-2), CB1 (4-bit compressed checkpointing: HF layers through the config,
-other models' blocks through ``lightning_act.checkpoint``), CB2 (CB1 + chunked attention, HF only); the peers
-torch checkpointing (``gradient_checkpointing_enable()`` for HF, ``torch.utils.checkpoint`` per block otherwise)
-and ``torch.autograd.graph.save_on_cpu``; the memory-budget mode (``ACTConfig(memory_budget=...)``, planned by
-``lightning_act.adapt.memory_budget.MemoryBudget``) at torch checkpointing's peak unless ``--memory-budget`` says.
+2 bits, L1 and 4-bit with ``side_stream=True`` (encodes on a side stream), 4-bit with ``backend="compile"`` (the
+torch path through ``torch.compile``, no CuPy kernels), ``division``, ``lorenzo`` (eb 1e-2), CB1 (4-bit compressed
+checkpointing: HF layers through the config, other models' blocks through ``lightning_act.checkpoint``), CB2 (CB1 +
+chunked attention, HF only); the peers torch checkpointing (``gradient_checkpointing_enable()`` for HF,
+``torch.utils.checkpoint`` per block otherwise) and ``torch.autograd.graph.save_on_cpu``; the memory-budget mode
+(``ACTConfig(memory_budget=...)``, planned by ``lightning_act.adapt.memory_budget.MemoryBudget``) at torch
+checkpointing's peak unless ``--memory-budget`` says.
 
 Figures per row:
 
@@ -92,6 +94,7 @@ METHODS = {
     "L1, side stream": Method(act.ACTConfig(opt_level="L1", side_stream=True)),
     "4-bit": Method(act.ACTConfig(bits=4, adaptive=False)),
     "4-bit, side stream": Method(act.ACTConfig(bits=4, adaptive=False, side_stream=True)),
+    "4-bit, compile": Method(act.ACTConfig(bits=4, adaptive=False, backend="compile")),
     "2-bit": Method(act.ACTConfig(bits=2, adaptive=False)),
     "division": Method(act.ACTConfig(codec="division")),
     "lorenzo eb=1e-2": Method(act.ACTConfig(codec="lorenzo", error_bound=1e-2)),

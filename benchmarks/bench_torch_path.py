@@ -8,13 +8,15 @@ in GB/s of input tensor, next to two copies of the same tensor.
 - ``copy_``: ``out.copy_(x)`` into a tensor allocated once: the machine's copy bandwidth, no faults.
 
 A ReLU'd Gaussian activation (default 16 x 256 x 56 x 56, a ResNet stage-1 map at batch 16) in float32,
-bfloat16 and float16; ``quantize`` at 1, 2, 4, 8 bits and ``division`` (B=8, Q=2), ``backend="torch"``. Each
-repeat times clone, copy_, encode and decode in turn (so a change of machine load hits all four alike); the
-rates are medians of the repeats after one warm-up round. ``--threads 1 2`` measures each thread count.
+bfloat16 and float16; ``quantize`` at 1, 2, 4, 8 bits and ``division`` (B=8, Q=2), ``backend="torch"``, and the
+quantize codecs again with ``backend="compile"`` (``torch.compile``'s inductor: the first encode and decode, which
+compile, are timed apart and left out of the rates). Each repeat times clone, copy_, encode and decode in turn (so
+a change of machine load hits all four alike); the rates are medians of the repeats after one warm-up round.
+``--threads 1 2`` measures each thread count.
 
     python benchmarks/bench_torch_path.py [--shape 16 256 56 56 | --shapes 16x256x56x56 4x256x56x56 ...]
                                           [--repeats 5] [--threads N [N ...]] [--dtypes float32 bfloat16 float16]
-                                          [--out benchmarks/results/torch_path.md]
+                                          [--compiled CODEC ...] [--out benchmarks/results/torch_path.md]
 """
 from __future__ import annotations
 
@@ -34,30 +36,48 @@ CODECS = {**{f"quantize {b}-bit": ("quantize", {"bits": b}) for b in (1, 2, 4, 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TITLE = "Torch path encode/decode GB/s and fraction of clone"
 TARGET = 0.25  # issue #20: encode at 1/4 or more of clone bandwidth
+COMPILED = tuple(name for name in CODECS if name.startswith("quantize"))  # the codecs with a compiled path
 
 
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _timed(fn) -> tuple[float, int, object]:
-    faults, start = _faults(), time.perf_counter()
+# wall: elapsed time; cpu: CPU time of this process (all its threads). With one thread, cpu is what the call takes
+# on an unshared core: on a shared machine, the time slices other processes take are not counted.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = CLOCKS["wall"]
+
+
+def _timed(fn, clock=None) -> tuple[float, int, object]:
+    clock = clock or _clock
+    faults, start = _faults(), clock()
     result = fn()
-    return time.perf_counter() - start, _faults() - faults, result
+    return clock() - start, _faults() - faults, result
 
 
-def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=tuple(DTYPES)) -> list[dict]:
-    """One row per (dtype, codec): GB/s of input for encode, decode, clone and copy_, the fractions of clone and
-    of copy_, and clone's page faults per call (medians over ``repeats`` rounds after a warm-up round)."""
+def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=tuple(DTYPES),
+            compiled=COMPILED) -> list[dict]:
+    """One row per (dtype, codec, backend): GB/s of input for encode, decode, clone and copy_, the fractions of
+    clone and of copy_, and clone's page faults per call (medians over ``repeats`` rounds after a warm-up round);
+    the ``compiled`` codecs also with ``backend="compile"``, whose first encode and decode (the compilation, or
+    none where this process compiled that variant already) are timed alone."""
     rows = []
+    clock = next(name for name, c in CLOCKS.items() if c is _clock)
     for dtype_name in dtypes:
         torch.manual_seed(0)
         x = torch.relu(torch.randn(shape)).to(DTYPES[dtype_name])
         out = torch.empty_like(x)
         gbps = lambda seconds: x.numel() * x.element_size() / seconds / 1e9  # noqa: E731
-        for name in codecs:
+        for name, backend in [(c, b) for c in codecs for b in ("torch", "compile") if b == "torch" or c in compiled]:
             codec_name, options = CODECS[name]
-            codec = act.codecs.get(codec_name, backend="torch", **options)
+            codec = act.codecs.get(codec_name, backend=backend, **options)
+            first = {}
+            if backend == "compile":
+                # elapsed time whatever the clock: inductor compiles in child processes
+                first["encode"], _, packed = _timed(lambda: codec.encode(x), CLOCKS["wall"])
+                first["decode"], _, _ = _timed(lambda: codec.decode(packed), CLOCKS["wall"])
+                del packed
             times = {"clone": [], "copy": [], "encode": [], "decode": []}
             faults = []
             for round_index in range(repeats + 1):  # round 0 warms up
@@ -72,41 +92,63 @@ def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=t
                         times[key].append(seconds)
                     faults.append(clone_faults)
             s = {key: statistics.median(values) for key, values in times.items()}
-            rows.append({"dtype": dtype_name, "codec": name, "shape": list(shape), "threads": torch.get_num_threads(),
+            rows.append({"dtype": dtype_name, "codec": name, "backend": backend, "shape": list(shape),
+                         "threads": torch.get_num_threads(), "first_encode_s": first.get("encode"),
+                         "first_decode_s": first.get("decode"),
                          "encode_gbps": gbps(s["encode"]), "decode_gbps": gbps(s["decode"]),
                          "clone_gbps": gbps(s["clone"]), "copy_gbps": gbps(s["copy"]),
                          "clone_faults": statistics.median(faults),
                          "encode_vs_clone": s["clone"] / s["encode"], "decode_vs_clone": s["clone"] / s["decode"],
-                         "encode_vs_copy": s["copy"] / s["encode"], "repeats": repeats})
+                         "encode_vs_copy": s["copy"] / s["encode"], "repeats": repeats, "clock": clock})
             r = rows[-1]
-            print(f"  {torch.get_num_threads()} thr {dtype_name} {name}: encode {r['encode_gbps']:.3g} GB/s = "
-                  f"{r['encode_vs_clone']:.3f} of clone ({r['clone_gbps']:.3g} GB/s, {r['clone_faults']:.0f} faults), "
-                  f"{r['encode_vs_copy']:.3f} of copy_ ({r['copy_gbps']:.3g} GB/s); decode {r['decode_gbps']:.3g} GB/s",
+            print(f"  {torch.get_num_threads()} thr {dtype_name} {name} {backend}: encode {r['encode_gbps']:.3g} "
+                  f"GB/s = {r['encode_vs_clone']:.3f} of clone ({r['clone_gbps']:.3g} GB/s, "
+                  f"{r['clone_faults']:.0f} faults), {r['encode_vs_copy']:.3f} of copy_ ({r['copy_gbps']:.3g} GB/s); "
+                  f"decode {r['decode_gbps']:.3g} GB/s"
+                  + (f"; first encode {first['encode']:.1f} s, decode {first['decode']:.1f} s" if first else ""),
                   flush=True)
     return rows
 
 
+def _first_calls(r: dict) -> str:
+    if r.get("first_encode_s") is None:
+        return ""
+    return f"{r['first_encode_s']:.1f} + {r['first_decode_s']:.1f}"
+
+
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| threads | dtype | codec | encode GB/s | decode GB/s | clone GB/s (faults/call) | copy_ GB/s | "
-             "encode / clone | encode / copy_ | decode / clone |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r.get('threads', '')} | {r['dtype']} | {r['codec']} | {r['encode_gbps']:.3g} | "
+    lines = ["| threads | dtype | codec | backend | encode GB/s | decode GB/s | clone GB/s (faults/call) | "
+             "copy_ GB/s | encode / clone | encode / copy_ | decode / clone | first encode + decode s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.get('threads', '')} | {r['dtype']} | {r['codec']} | {r.get('backend', 'torch')} | "
+              f"{r['encode_gbps']:.3g} | "
               f"{r['decode_gbps']:.3g} | {r['clone_gbps']:.3g} ({r.get('clone_faults', 0):.0f}) | "
               f"{r.get('copy_gbps', float('nan')):.3g} | {r['encode_vs_clone']:.3g}"
               f"{'' if r['encode_vs_clone'] >= TARGET else ' ✗'} | {r.get('encode_vs_copy', float('nan')):.3g} | "
-              f"{r['decode_vs_clone']:.3g} |" for r in rows]
+              f"{r['decode_vs_clone']:.3g} | {_first_calls(r)} |" for r in rows]
     return lines
+
+
+def _clock_note(rows: list[dict]) -> str:
+    if rows[0].get("clock", "wall") == "wall":
+        return ""
+    return (" by this process's CPU time, not elapsed time (with one thread: what each call takes on an unshared "
+            "core; with two: the sum over both threads)")
 
 
 def description(rows: list[dict]) -> str:
     shapes = list(dict.fromkeys(" x ".join(map(str, r["shape"])) for r in rows))
     shape = " and ".join(shapes) + (" tensors" if len(shapes) > 1 else " tensor")
-    return (f"`backend=\"torch\"` codecs on a ReLU'd Gaussian {shape}; GB/s of the input tensor (its own "
-            f"dtype), medians of {rows[0]['repeats']} rounds after a warm-up, each round timing clone, copy_, encode "
-            "and decode in turn. clone: `torch.clone` (a fresh allocation per call, the issue's baseline; its page "
-            "faults per call in brackets: a large fresh allocation is mapped in by the kernel page by page, so "
+    return (f"`backend=\"torch\"` and `backend=\"compile\"` codecs on a ReLU'd Gaussian {shape}; GB/s of the input "
+            f"tensor (its own dtype), medians of {rows[0]['repeats']} rounds after a warm-up, each round timing clone, "
+            f"copy_, encode and decode in turn{_clock_note(rows)}. clone: `torch.clone` (a fresh allocation per "
+            "call, the issue's baseline; its page faults per call in brackets: a large fresh allocation is mapped in "
+            "by the kernel page by page, so "
             "clone is the copy plus the faults); copy_: `out.copy_(x)` into a tensor allocated once (the copy "
-            f"alone). ✗: encode below {TARGET:g} of clone (issue #20's target). division: B=8, Q=2.")
+            f"alone). ✗: encode below {TARGET:g} of clone (issue #20's target). division: B=8, Q=2. compile: "
+            "`torch.compile` (inductor) of the quantize chunk pipeline; its first encode and decode, in elapsed "
+            "seconds, compile the variant (or find it compiled earlier in the run, or in inductor's on-disk "
+            "cache) and are left out of the rates.")
 
 
 def report(rows: list[dict], command: str, load: dict) -> str:
@@ -129,23 +171,31 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--shape", type=int, nargs="+", default=[16, 256, 56, 56])
     parser.add_argument("--shapes", nargs="+", help="several shapes, each as AxBxCxD (instead of --shape)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time (one thread: an unshared core's time)")
     parser.add_argument("--threads", type=int, nargs="+", help="torch thread counts to measure (default: torch's)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--compiled", nargs="*", choices=COMPILED, default=list(COMPILED),
+                        help="codecs also measured with backend='compile' (none: leave them out)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "torch_path.md")
     args = parser.parse_args(argv)
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes] if args.shapes else [tuple(args.shape)]
+    global _clock
+    _clock = CLOCKS[args.clock]
     rows = []
     with MachineLoad() as load:
         for shape in shapes:
             for threads in args.threads or [torch.get_num_threads()]:
                 torch.set_num_threads(threads)
-                rows += measure(shape, args.repeats, dtypes=tuple(args.dtypes))
+                rows += measure(shape, args.repeats, dtypes=tuple(args.dtypes), compiled=tuple(args.compiled))
     command = "python benchmarks/bench_torch_path.py" + (
         f" --shapes {' '.join(args.shapes)}" if args.shapes else
         f" --shape {' '.join(map(str, args.shape))}" if args.shape != [16, 256, 56, 56] else "") + (
         f" --repeats {args.repeats}" if args.repeats != 5 else "") + (
+        f" --clock {args.clock}" if args.clock != "wall" else "") + (
         f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + (
-        f" --dtypes {' '.join(args.dtypes)}" if args.dtypes != list(DTYPES) else "")
+        f" --dtypes {' '.join(args.dtypes)}" if args.dtypes != list(DTYPES) else "") + (
+        f" --compiled {' '.join(args.compiled)}" if args.compiled != list(COMPILED) else "")
     publish(report(rows, command, load.summary()), args.out)
     return rows
 

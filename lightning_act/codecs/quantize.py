@@ -28,6 +28,13 @@ def _canonical_nan_chunks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _compiled_path():
+    """:mod:`lightning_act.formats.compiled`, imported on first use (backend='compile' only)."""
+    from ..formats import compiled
+
+    return compiled
+
+
 @register
 class QuantizeCodec(Codec):
     """``bits`` in 1/2/4/8: per-group stochastic rounding; 16: bfloat16 cast (16-bit inputs kept); 32: raw."""
@@ -61,8 +68,8 @@ class QuantizeCodec(Codec):
             buffers = quantize_cuda_packed(x.contiguous(), self.bits, self.group_size, self.stats_dtype, self.seed,
                                            key)
             return Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
-        payload, mn, step = quantize_reference(x.contiguous(), self.bits, self.group_size, self.stats_dtype,
-                                               self.seed, key)
+        encode = quantize_reference if self.backend != "compile" else _compiled_path().quantize_compiled
+        payload, mn, step = encode(x.contiguous(), self.bits, self.group_size, self.stats_dtype, self.seed, key)
         return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "mn": mn, "step": step}, meta)
 
     def decode(self, packed: Packed) -> torch.Tensor:
@@ -76,7 +83,10 @@ class QuantizeCodec(Codec):
                 return raw.view(packed.shape)
             return _canonical_nan_chunks(raw.to(packed.dtype)).view(packed.shape)
         args = (b["payload"], b["mn"], b["step"], packed.numel, meta["bits"], meta["group_size"], packed.dtype)
-        decode = self._decode_kernel if self.runs_kernels(b["payload"], packed.dtype) else dequantize_reference
+        if self.runs_kernels(b["payload"], packed.dtype):
+            decode = self._decode_kernel
+        else:
+            decode = dequantize_reference if self.backend != "compile" else _compiled_path().dequantize_compiled
         return decode(*args).view(packed.shape)
 
     def kernels_take(self, dtype: torch.dtype) -> bool:
