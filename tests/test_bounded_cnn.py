@@ -8,8 +8,8 @@ from torch import nn
 
 import lightning_act as act
 from lightning_act.models import Bottleneck
-from lightning_act.nn._chunks import DEFAULT_CHUNK_BYTES
-from lightning_act.nn.bounded_cnn import BoundedSequential, ResidualReLU, _rows, is_bounded
+from lightning_act.nn._chunks import DEFAULT_CHUNK_BYTES, chunk_rows
+from lightning_act.nn.bounded_cnn import BoundedSequential, ResidualReLU, is_bounded
 from lightning_act.profiling import measure_step_memory
 
 MiB = 2**20
@@ -188,7 +188,7 @@ def test_backward_peak_holds_two_full_tensors_plus_chunks(layout, batch):
         peaks[bounded] = measure_step_memory(lambda: out.backward(grad)).peak_bytes
     # unconverted: BN's input gradient, its workspace, the decoded BN input and ReLU's decoded mask and output
     # beside the incoming gradient; bounded: the input gradient (half the size) and a few chunk-sized pieces
-    chunk = full // batch * _rows(batch, full // batch, DEFAULT_CHUNK_BYTES)
+    chunk = full // batch * min(batch, chunk_rows(DEFAULT_CHUNK_BYTES, full // batch))
     assert peaks[True] <= peaks[False] - full, {k: v / MiB for k, v in peaks.items()}
     assert peaks[True] <= full / 2 + 6 * chunk, {k: v / MiB for k, v in peaks.items()}
 
