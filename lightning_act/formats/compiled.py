@@ -21,7 +21,7 @@ import torch
 from .. import rng
 from ._bitpack import pack_codes_, packed_nbytes, unpack_codes_
 from .floats import CANONICAL_NAN, canonical_nan_
-from .quantize import chunk_elements, groups_per_chunk, may_decode_nan
+from .quantize import chunk_elements, encoded_buffers, groups_per_chunk, may_decode_nan
 
 HINT = "use backend='torch' (same bits, no compiler needed)"
 # Elements per graph call, in torch-path chunks (formats.quantize.chunk_elements): larger than the torch path's, as
@@ -196,10 +196,7 @@ def quantize_compiled(x: torch.Tensor, bits: int, group_size: int, stats_dtype: 
     """Encode, the same bits as :func:`formats.quantize.quantize_spec`: ``(payload uint8, mn, step)``."""
     flat = x.reshape(-1)
     n = flat.numel()
-    groups = -(-n // group_size)
-    payload = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
-    mn_out = torch.empty(groups, dtype=stats_dtype, device=x.device)
-    step_out = torch.empty(groups, dtype=stats_dtype, device=x.device)
+    payload, mn_out, step_out = encoded_buffers(n, bits, group_size, stats_dtype, x.device)
     if n == 0:
         return payload, mn_out, step_out
     encode = _compiled("encode", bits, group_size, x.dtype, stats_dtype, x.device.type)

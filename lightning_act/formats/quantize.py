@@ -256,14 +256,20 @@ def may_decode_nan(*stats: torch.Tensor) -> bool:
     return not all(bool(torch.isfinite(s).all()) for s in stats)
 
 
+def encoded_buffers(n: int, bits: int, group_size: int, stats_dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The empty ``(payload uint8, mn, step)`` an encode of ``n`` elements fills."""
+    groups = -(-n // group_size)
+    return (torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=device),
+            torch.empty(groups, dtype=stats_dtype, device=device), torch.empty(groups, dtype=stats_dtype, device=device))
+
+
 def quantize_reference(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int):
     """Encode, the same bits as :func:`quantize_spec`: ``(payload uint8, mn, step)``."""
     flat = x.reshape(-1)
     n = flat.numel()
     groups = -(-n // group_size)
-    payload = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
-    mn_out = torch.empty(groups, dtype=stats_dtype, device=x.device)
-    step_out = torch.empty(groups, dtype=stats_dtype, device=x.device)
+    payload, mn_out, step_out = encoded_buffers(n, bits, group_size, stats_dtype, x.device)
     chunk = groups_per_chunk(group_size, bits, chunk_elements(x.device))
     ws = Workspace(min(groups, chunk) * group_size, x.device)
     base = rng.stream_base(seed, key)
