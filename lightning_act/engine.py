@@ -488,7 +488,8 @@ class ActivationCompressor:
             return _Saved(t, version, shape, t)
         ptr = storage.data_ptr()
 
-        if t.is_contiguous():
+        contiguous = t.is_contiguous()
+        if contiguous:
             # its own memory range, read in place: the chunks of a split, saved one by one, are stored apart
             unit, geometry, numel = t, None, t.numel()
             key = (ptr, dtype, version, t.storage_offset(), numel)
@@ -496,6 +497,12 @@ class ActivationCompressor:
             unit, geometry, key = _view_unit(t, storage, (ptr, dtype, version))
             numel = unit.numel()
         codec, reason = self._decide(step, index, t, numel)
+        if codec is None and contiguous:
+            storage_numel = storage.nbytes() // t.element_size()
+            if numel < storage_numel <= 2 * numel:
+                # kept, a part holds its whole storage alive: counted once with the storage's other parts (an
+                # edge_index saved whole and as its two rows), as the views that cover most of a storage are
+                key, numel = (ptr, dtype, version, 0, storage_numel), storage_numel
         if codec is not None and codec.logical_layout:
             # the codec reads the tensor's own shape (planes, pooling windows), not its storage in memory order
             unit, geometry, key = t, None, (ptr, dtype, version, _geometry(t))

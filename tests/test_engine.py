@@ -333,6 +333,22 @@ def test_the_chunks_of_a_split_are_stored_and_decoded_apart():
     assert _SavesChunksAndViews.decoded == [half, half, y.nbytes, y.nbytes]
 
 
+def test_kept_parts_of_one_storage_count_it_once():
+    """An integer edge_index saved whole and as its two rows (what PyG's layers save) is kept: the rows hold the
+    whole storage alive, so the step counts that storage once, not once more per row."""
+    edge_index = torch.randint(0, 100, (2, 5000))
+    x = torch.randn(100, 16, requires_grad=True)
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=4, adaptive=False, min_numel=1))
+    with compressor.compress():
+        row, col = edge_index
+        loss = (x.index_select(0, row) * x.index_select(0, col)).sum() + x[edge_index].sum()
+    loss.backward()
+    stats = compressor.stats()
+    kept = [r for r in stats.records if r.dtype == torch.int64]
+    assert len(kept) >= 3 and sum(r.original_bytes for r in kept) == edge_index.nbytes
+    assert sum(r.stored_bytes for r in kept) == edge_index.nbytes
+
+
 def test_a_storage_stored_under_two_codecs_counts_once_in_original_bytes():
     """A ReLU output is stored as ReLU's 1-bit mask and as the next conv's values: the step's original bytes
     (what autograd would have kept) count its storage once, as the uncompressed step does."""
