@@ -318,12 +318,15 @@ def test_op_rules_skip_the_verification_their_op_guarantees():
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_positive_mask_and_bitmask_round_trip_every_layout_and_float64(dtype, memory_format):
-    """The chunked 1-bit codecs on a tensor larger than one chunk, channels_last or not, float64 included."""
+@pytest.mark.parametrize("chunks", [1, 3], ids=["one chunk", "several chunks"])
+def test_positive_mask_and_bitmask_round_trip_every_layout_and_float64(dtype, memory_format, chunks):
+    """The 1-bit codecs on a tensor of one chunk (the fast path) and of several, channels_last or not, float64
+    included."""
     from lightning_act.formats.quantize import chunk_elements
 
     torch.manual_seed(0)
-    channels = 2 * chunk_elements(torch.device("cpu")) // (9 * 10) + 3  # spans several chunks, a ragged last one
+    # several chunks with a ragged last one, or one chunk whose element count is not a multiple of 8
+    channels = (chunks - 1) * chunk_elements(torch.device("cpu")) // (9 * 10) + 3
     x = torch.randn(1, channels, 9, 10).to(dtype).contiguous(memory_format=memory_format)
     positive = act.codecs.get("positive_mask")
     assert torch.equal(positive.decode(positive.encode(x)), (x > 0).to(dtype))

@@ -27,11 +27,15 @@ def _noise(n: int, p: float = 0.1) -> torch.Tensor:
     return torch.empty(n).bernoulli_(1 - p).div_(1 - p)
 
 
-@pytest.mark.parametrize("name,make", [
+# each lossless mask codec with an input it takes
+MASK_INPUTS = [
     ("positive_mask", lambda: torch.randn(N)),
     ("scaled_mask", lambda: _noise(N)),
     ("bitmask", lambda: torch.randn(N) > 0),
-])
+]
+
+
+@pytest.mark.parametrize("name,make", MASK_INPUTS)
 def test_mask_encode_allocates_its_payload_and_a_bounded_workspace(name, make):
     codec, x = act.codecs.get(name), make()
     codec.encode(x)  # warm-up: the profiler sizes frees only of blocks it saw allocated
@@ -39,11 +43,7 @@ def test_mask_encode_allocates_its_payload_and_a_bounded_workspace(name, make):
     assert peak <= packed.nbytes + SLACK, f"{name}.encode peaked {peak / MiB:.1f} MiB for {packed.nbytes / MiB:.1f}"
 
 
-@pytest.mark.parametrize("name,make", [
-    ("positive_mask", lambda: torch.randn(N)),
-    ("scaled_mask", lambda: _noise(N)),
-    ("bitmask", lambda: torch.randn(N) > 0),
-])
+@pytest.mark.parametrize("name,make", MASK_INPUTS)
 def test_mask_decode_allocates_its_output_and_a_bounded_workspace(name, make):
     codec, x = act.codecs.get(name), make()
     packed = codec.encode(x)
