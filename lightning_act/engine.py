@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Callable, ContextManager, Iterator, Protocol
+from typing import Callable, ContextManager, Iterator, NamedTuple, Protocol
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import codecs, module_tree, rng
 from .codecs import op_rules
@@ -114,33 +113,24 @@ def _version_alias(t: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-class _Saved:
-    """What autograd holds for one saved tensor between forward and backward.
+class _Saved(NamedTuple):
+    """What autograd holds for one saved tensor between forward and backward (a named tuple: one is built per saved
+    tensor, by :data:`_new_saved` without a Python frame).
 
     ``watched`` is the tensor whose version counter autograd's in-place check reads: the saved tensor itself
     when it is kept, else a :func:`_version_alias` of it (``None``: not checked). ``side``: the side-stream
     encoder that encoded it (``ticket``: which encode), or ``None``."""
 
-    __slots__ = ("watched", "version", "shape", "tensor", "packed", "swapped", "codec", "geometry", "side",
-                 "ticket")
-
-    def __init__(self, watched: torch.Tensor | None, version: int, shape: torch.Size,
-                 tensor: torch.Tensor | None = None, packed: Packed | None = None, swapped: "SwapHandle | None" = None,
-                 codec: Codec | None = None, geometry: tuple | None = None, side: SideStreamEncoder | None = None,
-                 ticket: int = 0):
-        self.watched = watched
-        self.version = version  # of the saved tensor when it was saved
-        self.shape = shape
-        self.tensor = tensor  # kept as it is
-        self.packed = packed  # compressed form of the tensor (of its shape), or of its whole storage (flat)
-        self.swapped = swapped  # ... or that form moved to host memory
-        self.codec = codec
-        self.geometry = geometry  # (size, stride, storage_offset) of a view into a compressed storage
-        self.side, self.ticket = side, ticket
-
-    def check_version(self) -> None:
-        if self.watched is not None and self.watched._version != self.version:
-            self.version_error()
+    watched: torch.Tensor | None
+    version: int  # of the saved tensor when it was saved
+    shape: torch.Size
+    tensor: torch.Tensor | None = None  # kept as it is
+    packed: Packed | None = None  # compressed form of the tensor (of its shape), or of its whole storage (flat)
+    swapped: "SwapHandle | None" = None  # ... or that form moved to host memory
+    codec: Codec | None = None
+    geometry: tuple | None = None  # (size, stride, storage_offset) of a view into a compressed storage
+    side: SideStreamEncoder | None = None
+    ticket: int = 0
 
     def version_error(self) -> None:
         raise RuntimeError(
@@ -148,6 +138,27 @@ class _Saved:
             f"operation: a saved tensor of shape {list(self.shape)} is at version {self.watched._version}; "
             f"expected version {self.version} instead (lightning_act keeps autograd's in-place check)"
         )
+
+
+# Built from a tuple of all ten (or all twelve) fields in the hot path: tuple.__new__ runs no Python frame.
+_new_saved = functools.partial(tuple.__new__, _Saved)
+_new_record = functools.partial(tuple.__new__, TensorRecord)
+
+
+class _StorageRef:
+    """A weak reference to a storage: tells whether it was freed (its data pointer may then be reused)."""
+
+    __slots__ = ("cdata",)
+    _free = torch.UntypedStorage._free_weak_ref  # kept here: ``torch`` may be torn down first at exit
+
+    def __init__(self, storage: torch.UntypedStorage):
+        self.cdata = storage._weak_ref()
+
+    def expired(self) -> bool:
+        return torch.UntypedStorage._expired(self.cdata)
+
+    def __del__(self) -> None:
+        self._free(self.cdata)
 
 
 def _kept(t: torch.Tensor, watch: bool = True) -> _Saved:
@@ -462,8 +473,10 @@ class ActivationCompressor:
                                          step.phase, offloaded, error_bound))
 
     def _keep(self, step: "_Step", index: int, t: torch.Tensor, reason: str, nbytes: int, watch=True) -> _Saved:
-        self._record(step, index, t, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes, reason)
-        return _kept(t, watch)
+        shape = t.shape
+        step.records.append(_new_record((index, shape, t.dtype, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes,
+                                         reason, step.phase, False, None)))
+        return _new_saved((t if watch else None, t._version, shape, t, None, None, None, None, None, 0))
 
     def _pack(self, step: "_Step", t: torch.Tensor) -> _Saved:
         # The hot path (every saved tensor): attribute reads and identity tests first, each check once, one table
@@ -483,9 +496,9 @@ class ActivationCompressor:
         fn = t.grad_fn  # an op's output (the common activation) needs no walk to a leaf
         if storage is None or storage.data_ptr() in step.param_storages or (
                 (fn is None or _FN_KINDS[type(fn)] is not None) and _derives_from_leaf(t)):
-            records.append(TensorRecord(index, shape, dtype, PARAMETER, "none", 8.0 * t.element_size(), 0, 0, "",
-                                        step.phase))
-            return _Saved(t, version, shape, t)
+            records.append(_new_record((index, shape, dtype, PARAMETER, "none", 8.0 * t.element_size(), 0, 0, "",
+                                    step.phase, False, None)))
+            return _new_saved((t, version, shape, t, None, None, None, None, None, 0))
         ptr = storage.data_ptr()
 
         contiguous = t.is_contiguous()
@@ -512,12 +525,12 @@ class ActivationCompressor:
         if entry is not None and (entry[0] is None or not entry[0].expired()):
             first = entry[1].get(name)
             if first is not None:
-                records.append(TensorRecord(index, shape, dtype, DUPLICATE, name or "none", 0.0, 0, 0, "",
-                                            step.phase))
+                records.append(_new_record((index, shape, dtype, DUPLICATE, name or "none", 0.0, 0, 0, "", step.phase,
+                                        False, None)))
                 if first.tensor is not None:
-                    return _Saved(t, version, shape, t)
-                return _Saved(_version_alias(t), version, shape, None, first.packed, first.swapped, first.codec,
-                              geometry, first.side, first.ticket)
+                    return _new_saved((t, version, shape, t, None, None, None, None, None, 0))
+                return _new_saved((_version_alias(t), version, shape, None, first.packed, first.swapped, first.codec,
+                               geometry, first.side, first.ticket))
             original = 0  # the same range under another codec: the step's original bytes hold it once
         else:
             entry = None
@@ -525,7 +538,8 @@ class ActivationCompressor:
         if codec is None:
             saved = self._keep(step, index, t, reason, original)
         else:
-            noise = self.noise_key(index, step)
+            policy = self._policies["noise"]
+            noise = step.noise_base ^ index if policy is None else policy(step.number, index)  # noise_key()
             side = self.side_stream
             if side is not None and codec.side_stream_safe and side.takes(unit):
                 packed, ticket = side.encode(codec, unit, noise)
@@ -534,11 +548,12 @@ class ActivationCompressor:
             nbytes, swapped = packed.nbytes, None
             if self.swap_store is not None and step.phase == "forward":  # recomputed tensors live briefly
                 swapped, packed = self.swap_store.put(step.number, index, packed), None
-            records.append(TensorRecord(index, shape, dtype, COMPRESSED, name, codec.bits_per_element(unit, packed),
-                                        original, nbytes, "", step.phase, swapped is not None, codec.error_bound))
-            saved = _Saved(_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side, ticket)
+            records.append(_new_record((index, shape, dtype, COMPRESSED, name, codec.bits_per_element(unit, packed),
+                                    original, nbytes, "", step.phase, swapped is not None, codec.error_bound)))
+            saved = _new_saved((_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side,
+                                ticket))
         if entry is None:  # a kept tensor holds its storage alive; else a weak reference tells a freed one
-            stored[key] = [None if saved.tensor is not None else StorageWeakRef(storage), {name: saved}]
+            stored[key] = [None if saved.tensor is not None else _StorageRef(storage), {name: saved}]
         else:
             entry[1][name] = saved
         return saved

@@ -55,7 +55,17 @@ def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
 
 def stream_base(seed: int, key: int) -> int:
     """The 32-bit base of the random stream for one (seed, tensor key) pair."""
-    return mix32(mix32((seed & MASK32) ^ _SEED_SALT) ^ (key & MASK32))
+    return keyed_stream_base(seed_hash(seed), key)
+
+
+def seed_hash(seed: int) -> int:
+    """The part of :func:`stream_base` that depends on the seed alone (a codec hashes it once)."""
+    return mix32((seed & MASK32) ^ _SEED_SALT)
+
+
+def keyed_stream_base(seed_hash: int, key: int) -> int:
+    """:func:`stream_base` from :func:`seed_hash` of the seed."""
+    return mix32(seed_hash ^ (key & MASK32))
 
 
 def uniform24(base: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -522,3 +522,62 @@ class _NoLaunch:
 
     def launch(self, *args):
         pass
+
+
+# ---- the codec's kernel path (what runs for every saved tensor) ----
+
+class _CountingRunner(_NoLaunch):
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, source, kernel, grid, block, args, shared_mem, device):
+        self.launches.append((kernel, grid, block, tuple(args), shared_mem))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("stats_dtype", ["float32", "bfloat16"])
+@pytest.mark.toolchain
+@requires_gxx
+def test_codec_kernel_path_stores_the_specifications_bytes(runner, bits, stats_dtype):
+    """The codec's kernel path (cached plans, one buffer) writes what quantize_cuda and the specification write,
+    and decodes them back bit for bit, also through a codec of another bit width (decoded by the form's meta)."""
+    x = torch.randn(3, 700) * 3
+    with launcher.use_runner(runner):
+        codec = QuantizeCodec(bits=bits, group_size=64, stats_dtype=stats_dtype, seed=7, backend="cupy")
+        packed = codec.encode(x, key=11)
+        decoded = codec.decode(packed)
+        other = QuantizeCodec(bits=2 if bits != 2 else 4, group_size=64, stats_dtype=stats_dtype, seed=7,
+                              backend="cupy").decode(packed)
+    reference = quantize_reference(x.reshape(-1), bits, 64, codec.stats_dtype, 7, 11)
+    assert_same_encoding(tuple(packed.buffers[name] for name in ("payload", "mn", "step")), reference)
+    assert packed.nbytes == sum(t.numel() * t.element_size() for t in reference)
+    expected = dequantize_reference(*reference, x.numel(), bits, 64, torch.float32).view(x.shape)
+    assert_same_bits(decoded, expected)
+    assert_same_bits(other, expected)
+
+
+def test_codec_kernel_path_launches_once_with_a_cached_plan():
+    """Encode and decode are one allocation and one launch each; the plan is built once per size, dtype, device
+    and runner, and the noise key reaches the kernel as the specification's stream base."""
+    runner, x = _CountingRunner(), torch.randn(4, 512)
+    with launcher.use_runner(runner):
+        codec = QuantizeCodec(bits=4, group_size=256, seed=3, backend="cupy")
+        first = codec.encode(x, key=1)
+        second = codec.encode(x, key=2)
+        codec.decode(first)
+    assert [kernel for kernel, *_ in runner.launches] == ["quantize_encode", "quantize_encode", "quantize_decode"]
+    assert type(first.buffers) is launcher.OneBuffer
+    assert first.buffers.data.untyped_storage().nbytes() == first.buffers.layout.total
+    assert len(codec._kernels._encodes) == 1 and len(codec._kernels._decodes) == 1
+    (_, *encode_one), (_, *encode_two) = runner.launches[:2]
+    assert encode_one[2][5] == rng_stream_base(3, 1) and encode_two[2][5] == rng_stream_base(3, 2)
+    assert encode_one[2][0] == x.data_ptr()
+    with launcher.use_runner(_CountingRunner()):  # another runner: its own plan (grids are sized per runner)
+        codec.encode(x, key=1)
+    assert len(codec._kernels._encodes) == 2
+
+
+def rng_stream_base(seed: int, key: int) -> int:
+    from lightning_act import rng
+
+    return rng.stream_base(seed, key)

@@ -8,7 +8,7 @@ import torch
 
 from .._validate import check_choice, check_int
 from ..cuda.launcher import DTYPE_CODES, OneBuffer
-from ..cuda.quantize import dequantize_cuda, dequantize_cuda_packed, quantize_cuda_packed, supports
+from ..cuda.quantize import QuantizeKernels, dequantize_cuda, supports
 from ..formats._bitpack import PACKABLE_BITS
 from ..formats.floats import FLOAT_DTYPES, canonical_nan_, check_float_input
 from ..formats.quantize import STATS_DTYPES, dequantize_reference, quantize_reference
@@ -55,6 +55,8 @@ class QuantizeCodec(Codec):
         self.bits, self.group_size, self.seed, self.backend = bits, group_size, seed, backend
         self.stats_dtype = STATS_DTYPES[stats_dtype]
         self._kernels_take_format = supports(bits, group_size)
+        self._kernels = QuantizeKernels(bits, group_size, self.stats_dtype, seed) if self._kernels_take_format else None
+        self._meta = {"bits": bits, "group_size": group_size}  # every encoded form's (read only)
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         check_float_input(self.name, x)
@@ -63,20 +65,23 @@ class QuantizeCodec(Codec):
         if self.bits == 16:
             return Packed(self.name, x.shape, x.dtype, x.device, {"raw": _canonical_nan_chunks(x.to(torch.bfloat16))},
                           {"bits": 16})
-        meta = {"bits": self.bits, "group_size": self.group_size}
-        if self.runs_kernels(x):  # the format was checked once, in __init__: the kernel path checks nothing more
-            buffers = quantize_cuda_packed(x.contiguous(), self.bits, self.group_size, self.stats_dtype, self.seed,
-                                           key)
-            return Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
+        runner = self.kernel_runner(x, x.dtype)
+        if runner is not None:  # the format was checked once, in __init__: the kernel path checks nothing more
+            return Packed(self.name, x.shape, x.dtype, x.device, self._kernels.encode(x.contiguous(), key, runner),
+                          self._meta)
         encode = quantize_reference if self.backend != "compile" else _compiled_path().quantize_compiled
         payload, mn, step = encode(x.contiguous(), self.bits, self.group_size, self.stats_dtype, self.seed, key)
-        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "mn": mn, "step": step}, meta)
+        return Packed(self.name, x.shape, x.dtype, x.device, {"payload": payload, "mn": mn, "step": step},
+                      self._meta)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         b, meta = packed.buffers, packed.meta
         if type(b) is OneBuffer:  # what the kernel path stored
-            if self.runs_kernels(b.data, packed.dtype):
-                return dequantize_cuda_packed(b, packed.shape, meta["bits"], meta["group_size"], packed.dtype)
+            runner = self.kernel_runner(b.data, packed.dtype)
+            # this codec's own format (another bit width's form decodes by its meta, below)
+            if runner is not None and (meta is self._meta or meta == self._meta) \
+                    and b.layout.dtypes[1] is self.stats_dtype:
+                return self._kernels.decode(b, packed.shape, packed.dtype, runner)
         elif "raw" in b:
             raw = b["raw"]
             if raw.dtype == packed.dtype:  # lossless: the input's own bits

@@ -98,7 +98,10 @@ class _Plan(NamedTuple):
 
 # One entry per (format, dtype, numel) met: a model saves a few hundred distinct sizes; varying sequence lengths
 # add more, so the caches are bounded. ``max_blocks`` is launcher.MAX_BLOCKS (tests lower it).
-@functools.lru_cache(maxsize=4096)
+_PLANS_PER_FORMAT = 4096
+
+
+@functools.lru_cache(maxsize=_PLANS_PER_FORMAT)
 def _encode_plan(numel: int, dtype: torch.dtype, bits: int, group_size: int, stats_dtype: torch.dtype,
                  multiprocessors: int, max_blocks: int) -> _Plan:
     groups = -(-numel // group_size)
@@ -109,7 +112,7 @@ def _encode_plan(numel: int, dtype: torch.dtype, bits: int, group_size: int, sta
     return _Plan(layout, grid, block, shared, args, np.int32(DTYPE_CODES[stats_dtype]))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=_PLANS_PER_FORMAT)
 def _decode_plan(numel: int, dtype: torch.dtype, bits: int, group_size: int, stats_dtype: torch.dtype,
                  multiprocessors: int, max_blocks: int) -> _Plan:
     grid, block, shared = _config(numel, group_size, multiprocessors, max_blocks) if numel else (None, None, 0)
@@ -145,20 +148,6 @@ def quantize_cuda(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
         _check_out(out, numel, bits, group_size, stats_dtype, x.device)
     _encode(x, plan, tuple(map(pointer, out)), seed, key, runner, x.device)
     return tuple(out)
-
-
-def quantize_cuda_packed(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int,
-                         key: int, *, runner: KernelRunner | None = None) -> OneBuffer:
-    """:func:`quantize_cuda` for the codec, which runs it for every saved tensor: the parts ``payload``, ``mn``
-    and ``step`` as a :class:`OneBuffer` (no views built), and no argument checks: the codec checked the format
-    once and passes contiguous tensors of a kernel dtype."""
-    runner = runner or default_runner()
-    device = x.device
-    plan = _encode_plan(x.numel(), x.dtype, bits, group_size, stats_dtype, launcher.multiprocessors(runner, device),
-                        launcher.MAX_BLOCKS)
-    buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=device), plan.layout)
-    _encode(x, plan, buffers.pointers(), seed, key, runner, device)
-    return buffers
 
 
 def _check_out(out, numel: int, bits: int, group_size: int, stats_dtype: torch.dtype, device: torch.device) -> None:
@@ -198,14 +187,52 @@ def dequantize_cuda(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor,
     return out
 
 
-def dequantize_cuda_packed(buffers: OneBuffer, shape: torch.Size, bits: int, group_size: int, dtype: torch.dtype,
-                           *, runner: KernelRunner | None = None) -> torch.Tensor:
-    """:func:`dequantize_cuda` for the codec: decodes what :func:`quantize_cuda_packed` stored straight into a
-    tensor of ``shape`` (no view to build), without argument checks."""
-    runner = runner or default_runner()
-    device = buffers.data.device
-    out = torch.empty(shape, dtype=dtype, device=device)
-    plan = _decode_plan(out.numel(), dtype, bits, group_size, buffers.layout.dtypes[1],
-                        launcher.multiprocessors(runner, device), launcher.MAX_BLOCKS)
-    _decode(buffers.pointers(), plan, out, runner, device)
-    return out
+class QuantizeKernels:
+    """The codec's kernel path for one format: :func:`quantize_cuda` and :func:`dequantize_cuda` without argument
+    checks (the codec checked the format once and passes contiguous tensors of a kernel dtype), the encoded parts
+    ``payload``, ``mn`` and ``step`` as a :class:`OneBuffer`, decoded straight into a tensor of the saved shape.
+
+    It runs for every saved tensor, so a launch costs one dictionary lookup for its plan (per size, dtype, device
+    and runner), one allocation, one hash of the noise key and the launch itself."""
+
+    __slots__ = ("bits", "group_size", "stats_dtype", "_seed_hash", "_encodes", "_decodes")
+
+    def __init__(self, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int):
+        self.bits, self.group_size, self.stats_dtype = bits, group_size, stats_dtype
+        self._seed_hash = rng.seed_hash(seed)
+        self._encodes: dict[tuple, _Plan] = {}
+        self._decodes: dict[tuple, _Plan] = {}
+
+    def _plan(self, plans: dict, build, numel: int, dtype: torch.dtype, device: torch.device,
+              runner: KernelRunner) -> _Plan:
+        if len(plans) >= _PLANS_PER_FORMAT:  # sizes met so far: bounded, as the module's plan caches are
+            plans.clear()
+        plan = plans[(numel, dtype, device, runner)] = build(
+            numel, dtype, self.bits, self.group_size, self.stats_dtype, launcher.multiprocessors(runner, device),
+            launcher.MAX_BLOCKS)
+        return plan
+
+    def encode(self, x: torch.Tensor, key: int, runner: KernelRunner) -> OneBuffer:
+        numel, dtype, device = x.numel(), x.dtype, x.device
+        plan = self._encodes.get((numel, dtype, device, runner))
+        if plan is None:
+            plan = self._plan(self._encodes, _encode_plan, numel, dtype, device, runner)
+        buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=device), plan.layout)
+        if plan.grid is not None:
+            runner.launch(SOURCE, "quantize_encode", plan.grid, plan.block,
+                          (np.uint64(x.data_ptr()), *plan.args, np.uint32(rng.keyed_stream_base(self._seed_hash, key)),
+                           *buffers.pointers(), plan.last), plan.shared, device)
+        return buffers
+
+    def decode(self, buffers: OneBuffer, shape: torch.Size, dtype: torch.dtype, runner: KernelRunner
+               ) -> torch.Tensor:
+        device = buffers.data.device
+        out = torch.empty(shape, dtype=dtype, device=device)
+        numel = out.numel()
+        plan = self._decodes.get((numel, dtype, device, runner))
+        if plan is None:
+            plan = self._plan(self._decodes, _decode_plan, numel, dtype, device, runner)
+        if plan.grid is not None:
+            runner.launch(SOURCE, "quantize_decode", plan.grid, plan.block,
+                          (*buffers.pointers(), *plan.args, np.uint64(out.data_ptr()), plan.last), plan.shared, device)
+        return out
