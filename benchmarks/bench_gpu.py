@@ -3,8 +3,13 @@
 One command, on a machine with CUDA, writes ``benchmarks/results/gpu.md`` (and ``gpu.json``):
 
     python benchmarks/bench_gpu.py [--models resnet50 resnet50-cl bert-base gcn [gcn-csr]] [--configs ...]
-                                   [--repeats 5] [--memory-budget checkpoint|6GiB] [--out benchmarks/results/gpu.md]
+                                   [--repeats 5] [--memory-budget checkpoint|6GiB] [--time-budget SECONDS]
+                                   [--out benchmarks/results/gpu.md]
     python benchmarks/bench_gpu.py --tiny      # the same code path on CPU with tiny models (the test mode)
+
+The report is rewritten after every row (marked partial until the run ends), so a run cut short by a lent GPU's
+time limit keeps what it measured; ``--time-budget`` stops starting configurations once that many seconds have
+passed (they are listed as not run). ``benchmarks/gpu_session.sh`` is the prepared script for a session with a GPU.
 
 Models (random weights and batches, nothing downloaded): ResNet-50 (``lightning_act.models.resnet50``) at 128 x
 224², contiguous and ``channels_last``; BERT-base (``transformers.BertConfig()``'s defaults) at 32 x 512; a GCN
@@ -427,12 +432,18 @@ def capacity(device: torch.device, held: int, fixed_mib: float | None) -> int | 
 
 
 def run(workload: Workload, configs: list[str], device: torch.device, repeats: int, warmup: int,
-        budget: str, capacity_mib: float | None) -> tuple[list[dict], list[str], dict]:
-    """Rows of one workload, the configurations not run (with why) and facts about the run."""
+        budget: str, capacity_mib: float | None, deadline: float | None = None,
+        on_row: Callable[[list[dict], list[str], dict], None] | None = None) -> tuple[list[dict], list[str], dict]:
+    """Rows of one workload, the configurations not run (with why) and facts about the run. ``deadline``
+    (``time.monotonic()``): configurations not started by then are listed as not run; ``on_row(rows, not_run,
+    facts)`` is called after each measured row with the figures so far (a run cut short keeps them)."""
     runner = Runner(workload, device, repeats, warmup)
     rows, not_run = [], []
     for name in configs:
         method, budget_bytes = METHODS[name], None
+        if deadline is not None and time.monotonic() > deadline:
+            not_run.append(f"{name} on {workload.name}: the time budget was spent")
+            continue
         if method.hf_only and not is_hf(workload.model):
             not_run.append(f"{name} on {workload.name}: chunked attention is for HF attention layers (CB1 is the "
                            "same without it)")
@@ -450,6 +461,15 @@ def run(workload: Workload, configs: list[str], device: torch.device, repeats: i
             budget_bytes = act.ACTConfig(memory_budget=budget).memory_budget
         print(f"  {workload.name}: {name} ...", flush=True)
         rows.append(runner.measure(name, method, budget_bytes))
+        facts = derive(rows, runner, device, capacity_mib)
+        if on_row is not None:
+            on_row(rows, not_run, facts)
+    return rows, not_run, derive(rows, runner, device, capacity_mib)
+
+
+def derive(rows: list[dict], runner: Runner, device: torch.device, capacity_mib: float | None) -> dict:
+    """Fill in the figures relative to the baseline (and max batch) of one workload's ``rows``; facts about it."""
+    workload = runner.workload
     # what a step can use: measured now, with the optimizer state allocated and no step running
     runner.capacity_bytes = capacity(device, runner.held_bytes(), capacity_mib)
     base = next((r for r in rows if r["config"] == "baseline" and "error" not in r), None)
@@ -464,9 +484,8 @@ def run(workload: Workload, configs: list[str], device: torch.device, repeats: i
             r["time_ratio"] = r["step_ms"] / base["step_ms"]
             if r["max_batch"] is not None and base.get("max_batch"):
                 r["max_batch_ratio"] = r["max_batch"] / base["max_batch"]
-    facts = {"model": workload.name, "capacity_mib": None if runner.capacity_bytes is None else
-             runner.capacity_bytes / MiB, "params_m": sum(p.numel() for p in workload.model.parameters()) / 1e6}
-    return rows, not_run, facts
+    return {"model": workload.name, "capacity_mib": None if runner.capacity_bytes is None else
+            runner.capacity_bytes / MiB, "params_m": sum(p.numel() for p in workload.model.parameters()) / 1e6}
 
 
 # ---- report ---------------------------------------------------------------------------------------------------
@@ -486,8 +505,11 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, command: str, args) -> str:
+def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, command: str, args,
+           final: bool = True) -> str:
     lines = [f"# GPU training steps: {env['device']}", "",
+             *([] if final else ["**Partial: the run is still going (or was cut short); these are the rows measured "
+                                 "so far.**", ""]),
              f"torch {env['torch']} (CUDA {env['cuda']}), {env['cupy']}, lightning_act's {env['codecs']}; "
              f"bf16 autocast, AdamW; median of {args.repeats} steps after {args.warmup} warm-up steps. "
              f"Command: `{command}`", "",
@@ -550,6 +572,8 @@ def main(argv=None) -> int:
                         help="the memory-budget row's budget: 'checkpoint' (torch checkpointing's peak) or a size")
     parser.add_argument("--capacity-mib", type=float, help="memory a step can use, for max batch (default: the "
                         "GPU's free memory; --tiny: 64)")
+    parser.add_argument("--time-budget", type=float, help="seconds: configurations (and models) not started by "
+                        "then are listed as not run; the report is rewritten after every row either way")
     parser.add_argument("--out", type=Path, help="markdown table (default: benchmarks/results/gpu.md on CUDA, "
                         "none with --tiny); the JSON rows go beside it")
     args = parser.parse_args(argv)
@@ -572,25 +596,41 @@ def main(argv=None) -> int:
     if "memory budget" in configs and args.memory_budget == "checkpoint" and "torch checkpoint" in configs:
         configs.remove("memory budget")
         configs.insert(configs.index("torch checkpoint") + 1, "memory budget")
+    env = environment(device)
+    command = "python benchmarks/bench_gpu.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
+                                                  if (argv if argv is not None else sys.argv[1:]) else "")
+    deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     rows, not_run, facts = [], [], []
+
+    def write(more_rows: list[dict], more_not_run: list[str], more_facts: list[dict], final: bool) -> None:
+        """The report of everything measured so far: rewritten after every row, so a run cut short (a lent GPU's
+        time limit) leaves its figures; ``final`` prints it too."""
+        every = (rows + more_rows, not_run + more_not_run, facts + more_facts)
+        text = report(*every, env, command.strip(), args, final=final)
+        if final:
+            publish(text, args.out)
+        elif args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        if args.out is not None:
+            args.out.with_suffix(".json").write_text(json.dumps(
+                {"environment": env, "command": command, "complete": final, "rows": every[0],
+                 "not_run": every[1], "facts": every[2]}, indent=1, default=str))
+
     for key in args.models:
+        if deadline is not None and time.monotonic() > deadline:
+            not_run.append(f"{key}: the time budget was spent before it started")
+            continue
         workload = WORKLOADS[key](device, args.tiny)
         found, skipped, fact = run(workload, configs, device, args.repeats, args.warmup, args.memory_budget,
-                                   capacity_mib)
+                                   capacity_mib, deadline,
+                                   lambda r, n, f: write(r, n, [f], final=False))
         rows += found
         not_run += skipped
         facts.append(fact)
         del workload
         gc.collect()
-    env = environment(device)
-    command = "python benchmarks/bench_gpu.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                  if (argv if argv is not None else sys.argv[1:]) else "")
-    text = report(rows, not_run, facts, env, command.strip(), args)
-    publish(text, args.out)
-    if args.out is not None:
-        args.out.with_suffix(".json").write_text(json.dumps(
-            {"environment": env, "command": command, "rows": rows, "not_run": not_run, "facts": facts},
-            indent=1, default=str))
+    write([], [], [], final=True)
     return 1 if any("error" in r for r in rows) else 0
 
 

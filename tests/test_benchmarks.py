@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cuda_emulation.emulator import requires_gxx
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -214,3 +216,69 @@ def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_pa
         assert budget["budget_mib"] == pytest.approx(configs["torch checkpoint"]["peak_mib"])
         if budget["plan_met"]:  # else the planner warned that even its most aggressive plan does not fit
             assert budget["peak_mib"] <= 1.1 * budget["budget_mib"]  # met within 10%
+
+
+def test_bench_gpu_writes_every_row_as_it_goes_and_keeps_to_its_time_budget(tmp_path):
+    """A run cut short keeps its figures: ``run`` hands the rows so far (with the baseline-relative figures) to
+    ``on_row`` after each one; configurations not started by the deadline are listed as not run, and with no
+    time left the command writes a complete report of nothing measured."""
+    pytest.importorskip("transformers")
+    import bench_gpu
+    import torch
+
+    torch.set_num_threads(1)
+    seen = []
+    workload = bench_gpu.WORKLOADS["resnet50"](torch.device("cpu"), True)
+    rows, not_run, facts = bench_gpu.run(workload, ["baseline", "4-bit"], torch.device("cpu"), 1, 0, "checkpoint",
+                                         64.0, on_row=lambda r, n, f: seen.append([dict(x) for x in r]))
+    assert [[r["config"] for r in rows_so_far] for rows_so_far in seen] == [["baseline"], ["baseline", "4-bit"]]
+    assert seen[-1][1]["peak_reduction"] == pytest.approx(rows[0]["peak_mib"] / rows[1]["peak_mib"])
+    assert not not_run and facts["capacity_mib"] == 64.0
+    _, late, _ = bench_gpu.run(workload, ["baseline"], torch.device("cpu"), 1, 0, "checkpoint", 64.0,
+                               deadline=0.0)
+    assert late == [f"baseline on {workload.name}: the time budget was spent"]
+    out = tmp_path / "gpu.md"
+    assert bench_gpu.main(["--tiny", "--models", "resnet50", "bert-base", "--time-budget", "0", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["complete"] and report["rows"] == []
+    assert report["not_run"] == [f"{m}: the time budget was spent before it started" for m in ("resnet50", "bert-base")]
+    assert "Partial" not in out.read_text()
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes(tmp_path, monkeypatch):
+    """check_gpu.py, the script a session with a GPU runs: on CPU its kernel checks run through the emulator and
+    its training-step check on the torch path, each with a row; one wrong byte in a kernel's output fails its
+    check and the command; without CUDA and without --cpu it checks nothing and exits 2."""
+    pytest.importorskip("transformers")
+    import check_gpu
+    import torch
+
+    from lightning_act.cuda import quantize as cuda_quantize
+
+    if not torch.cuda.is_available():
+        assert check_gpu.main([]) == check_gpu.NO_CUDA_EXIT
+    checks = check_gpu.Checks(torch.device("cpu"))
+    for name in ("quantize 4-bit", "division", "lorenzo"):
+        codec, options = check_gpu.CODECS[name]
+        checks.run("kernels", name, lambda: checks.codec_bytes(codec, options, torch.bfloat16))
+    checks.run("step", "BERT", checks.step)
+    checks.run("no sync", "quantize", lambda: checks.no_sync("quantize", {"bits": 4}, torch.float32))
+    assert [r["status"] for r in checks.rows] == ["ok", "ok", "ok", "ok", "skipped"], checks.rows
+    assert checks.rows[3]["detail"].startswith("gradient cosine 0.9")
+
+    encode = cuda_quantize.QuantizeKernels.encode
+
+    def one_wrong_byte(self, x, key, runner):
+        buffers = encode(self, x, key, runner)
+        buffers["payload"][3] ^= 1
+        return buffers
+
+    monkeypatch.setattr(cuda_quantize.QuantizeKernels, "encode", one_wrong_byte)
+    out = tmp_path / "checks.md"
+    assert check_gpu.main(["--cpu", "--only", "kernels", "--codecs", "quantize 4-bit", "division", "--out",
+                           str(out)]) == 1
+    table = out.read_text()
+    assert "| kernels | quantize 4-bit, float32 | FAILED | payload: 1 of " in table
+    assert "| kernels | division, float32 | ok |" in table

@@ -1,0 +1,355 @@
+"""What only a real GPU can check (issue #20), as one short script for a session that is lent one.
+
+CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on the device with CuPy:
+
+- ``kernels``: per codec and dtype, the kernel path (``backend="cupy"``) on the device stores the bytes the torch
+  path stores on the device and on CPU (the specification), and decodes to the same bits; NaN and infinities
+  included where the format keeps them (quantize's canonical NaN, lorenzo's raw escapes): the GPU's own NaN
+  payloads are what the emulator once missed.
+- ``no sync``: every codec's kernel encode, stored size and decode under ``torch.cuda.set_sync_debug_mode("error")``
+  (a synchronising torch call raises) and a guard on host reads of tensor values.
+- ``lorenzo trim``: once the GPU has written a lorenzo payload, the next encode's poll cuts it to its exact size.
+- ``compile``: ``backend="compile"`` (Triton) stores the specification's bytes.
+- ``side stream``: gradients of a training step with ``side_stream=True`` equal those without, bit for bit.
+- ``step``: a BERT step from a config under bf16 autocast at 4 bits: finite loss, gradients close to the
+  uncompressed step's (cosine).
+- ``host``: host time per saved tensor in the compressor's hooks on the real CUDA path (BERT-base shape, batch 1 x
+  8, as ``bench_host_overhead.py`` measures with no-op kernels on CPU): the figure that CPU proxy stands for.
+
+Without CUDA, ``--cpu`` runs the same checks where they have a CPU stand-in (the kernels through the emulator,
+``tests/cuda_emulation``; the torch path for the training steps), which is how CI keeps this script working; the
+rest say "skipped". Writes a markdown table (``--out``, default ``benchmarks/results/gpu_checks.md`` on CUDA) and
+exits 1 when a check failed, 2 without CUDA and without ``--cpu``.
+
+    python benchmarks/check_gpu.py [--only kernels no-sync ...] [--codecs "quantize 4-bit" division ...] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+import lightning_act as act
+from lightning_act.cuda.launcher import use_runner
+from models import machine, publish
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+NO_CUDA_EXIT = 2
+CODECS = {
+    **{f"quantize {b}-bit": ("quantize", {"bits": b}) for b in (1, 2, 4, 8)},
+    "division": ("division", {}),
+    "lorenzo": ("lorenzo", {"error_bound": 1e-2}),
+}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KEEPS_NON_FINITE = ("quantize", "lorenzo")  # formats whose specification stores NaN/inf (division: finite inputs)
+
+
+class Skip(Exception):
+    """A check with no stand-in where it runs."""
+
+
+def activation(dtype: torch.dtype, non_finite: bool) -> torch.Tensor:
+    """A (4, 6, 20, 24) activation on CPU: ReLU'd, smooth, sparse and negative parts, -0.0, and optionally NaN and
+    infinities."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, 20, 24, generator=gen)
+    x[0] = x[0].relu()
+    x[1, 0] = torch.linspace(-3, 3, 480).view(20, 24)
+    x[2] *= torch.rand(6, 20, 24, generator=gen) < 0.1
+    x[3, 0, 0, :2] = -0.0
+    if non_finite:
+        x[3, 1, 2, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")])
+    return x.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on CPU as integers of its width (so NaN payloads and zero signs compare)."""
+    t = t.detach().cpu().contiguous()
+    if not t.is_floating_point():
+        return t
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _stored(packed) -> dict[str, torch.Tensor]:
+    """A packed form's buffers by name, on CPU (a lorenzo payload cut to the bytes its headers use)."""
+    return {name: packed.buffers[name].detach().cpu() for name in packed.buffers}
+
+
+def _same_stored(kernel: dict, spec: dict, codec: str) -> str | None:
+    """Why two stored forms differ, or None: every buffer of the specification's form, flat (a lorenzo payload
+    compared over the bytes the specification uses: the kernel path reserves the most and trims it later).
+    Statistics compare by value where both are zero (the sign of a zero minimum is the reduction order's, not the
+    format's)."""
+    for name, expected in spec.items():
+        if name not in kernel:
+            return f"no buffer {name!r} (has {sorted(kernel)})"
+        actual, expected = kernel[name].reshape(-1), expected.reshape(-1)
+        if codec == "lorenzo" and name == "payload":
+            actual = actual[: expected.numel()]
+        if actual.shape != expected.shape or actual.dtype != expected.dtype:
+            return f"{name}: {actual.dtype} {tuple(actual.shape)} != {expected.dtype} {tuple(expected.shape)}"
+        a, e = _bits(actual), _bits(expected)
+        if actual.is_floating_point():
+            both_zero = (actual == 0) & (expected == 0)
+            a, e = a[~both_zero], e[~both_zero]
+        if not torch.equal(a, e):
+            return f"{name}: {int((a != e).sum())} of {a.numel()} elements differ"
+    return None
+
+
+class Checks:
+    """The checks, on ``device`` (CUDA, or the CPU stand-in: the emulator for the kernels)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.rows: list[dict] = []
+        self.note = ""  # what the running check measured, for its row
+
+    @contextlib.contextmanager
+    def kernels(self) -> Iterator[None]:
+        """The kernel runner: CuPy's on a GPU, the emulator on CPU."""
+        if self.cuda:
+            act.cuda.require_cupy()
+            yield
+            return
+        sys.path.insert(0, str(ROOT))
+        from tests.cuda_emulation.emulator import EmulatorRunner
+
+        with use_runner(EmulatorRunner()):
+            yield
+
+    def run(self, check: str, case: str, fn: Callable[[], str | None]) -> None:
+        """Run one check: ``fn`` returns None when it holds, else what is wrong; a measurement it reports goes
+        to ``self.note``."""
+        started, self.note = time.perf_counter(), ""
+        try:
+            problem = fn()
+            status, detail = ("ok", self.note) if problem is None else ("FAILED", problem)
+        except Skip as why:
+            status, detail = "skipped", str(why)
+        except Exception as error:  # one failing check must not hide the others
+            traceback.print_exc()
+            status, detail = "FAILED", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        self.rows.append({"check": check, "case": case, "status": status, "detail": detail[:300],
+                          "seconds": time.perf_counter() - started})
+        print(f"{status:8} {check}: {case} {detail[:120]}", flush=True)
+
+    # ---- the checks ------------------------------------------------------------------------------------------
+    def codec_bytes(self, codec_name: str, options: dict, dtype: torch.dtype) -> str | None:
+        """Kernel path on the device == torch path on the device == torch path on CPU, stored and decoded."""
+        x_cpu = activation(dtype, non_finite=codec_name in KEEPS_NON_FINITE)
+        x = x_cpu.to(self.device)
+        spec = act.codecs.get(codec_name, backend="torch", **options)
+        reference = spec.encode(x_cpu, key=5)
+        expected = spec.decode(reference)
+        with self.kernels():
+            kernel = act.codecs.get(codec_name, backend="cupy", **options)
+            packed = kernel.encode(x, key=5)
+            decoded = kernel.decode(packed)
+        problems = [_same_stored(_stored(packed), _stored(reference), codec_name)]
+        if self.cuda:  # the torch path on the device is what a GPU user without CuPy runs
+            on_device = spec.encode(x, key=5)
+            problems.append(_same_stored(_stored(on_device), _stored(reference), codec_name))
+            if not torch.equal(_bits(spec.decode(on_device)), _bits(expected)):
+                problems.append("the torch path's decode on the device differs from CPU's")
+        if decoded.device != x.device or not torch.equal(_bits(decoded), _bits(expected)):
+            problems.append(f"kernel decode differs from the specification's (on {decoded.device})")
+        problems = [p for p in problems if p]
+        return "; ".join(problems) or None
+
+    def no_sync(self, codec_name: str, options: dict, dtype: torch.dtype) -> str | None:
+        """Encode, stored size and decode on the kernel path never make the host wait for the device."""
+        if not self.cuda:
+            raise Skip("CPU: tests/test_no_host_sync.py guards the emulated kernel paths")
+        x = activation(dtype, non_finite=codec_name in KEEPS_NON_FINITE).to(self.device)
+        with self.kernels():
+            kernel = act.codecs.get(codec_name, backend="cupy", **options)
+            kernel.decode(kernel.encode(x, key=1))  # first use: compiles and caches outside the guard
+            torch.cuda.synchronize()
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                packed = kernel.encode(x, key=2)
+                _ = packed.nbytes
+                kernel.decode(packed)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        return None
+
+    def lorenzo_trim(self) -> str | None:
+        if not self.cuda:
+            raise Skip("the trim waits for CUDA events; off CUDA launches finish before they return")
+        x = activation(torch.float32, non_finite=True).to(self.device)
+        with self.kernels():
+            codec = act.codecs.get("lorenzo", backend="cupy", error_bound=1e-2)
+            packed = codec.encode(x, key=1)
+            reserved = packed.nbytes
+            torch.cuda.synchronize()
+            codec.encode(x, key=2)  # polls the queue: the first form's size has arrived
+        exact = act.codecs.get("lorenzo", backend="torch", error_bound=1e-2).encode(x.cpu(), key=1).nbytes
+        self.note = f"{reserved} bytes reserved, {packed.nbytes} after the trim"
+        return None if packed.nbytes == exact else f"{self.note}; the specification stores {exact}"
+
+    def compiled(self, bits: int, dtype: torch.dtype) -> str | None:
+        if not self.cuda:
+            raise Skip("CPU: tests/test_compiled_path.py checks the inductor C++ path")
+        x_cpu = activation(dtype, non_finite=True)
+        reference = act.codecs.get("quantize", bits=bits, backend="torch").encode(x_cpu, key=3)
+        codec = act.codecs.get("quantize", bits=bits, backend="compile")
+        packed = codec.encode(x_cpu.to(self.device), key=3)
+        problem = _same_stored(_stored(packed), _stored(reference), "quantize")
+        if problem is None and not torch.equal(_bits(codec.decode(packed)), _bits(act.codecs.get(
+                "quantize", bits=bits, backend="torch").decode(reference))):
+            problem = "decode differs"
+        return problem
+
+    def _bert(self, layers: int = 2, hidden: int = 128, seq: int = 64, batch: int = 4):
+        from transformers import BertConfig, BertForSequenceClassification
+
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=512, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                            intermediate_size=4 * hidden, max_position_embeddings=seq)
+        model = BertForSequenceClassification(config).to(self.device).train()
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device=self.device)
+        labels = torch.randint(0, 2, (batch,), device=self.device)
+        return model, lambda: model(input_ids=ids, labels=labels).loss
+
+    def _grads(self, model, loss_fn, config: act.ACTConfig | None, autocast: bool) -> tuple[float, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
+            torch.manual_seed(1)  # the same dropout masks in every run
+            with contextlib.ExitStack() as stack:
+                if autocast:
+                    stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+                if config is not None:
+                    stack.enter_context(act.ActivationCompressor(model, config).compress())
+                loss = loss_fn()
+            loss.backward()
+        grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+        return float(loss), grads
+
+    def side_stream(self) -> str | None:
+        if not self.cuda:
+            raise Skip("side streams order CUDA work only")
+        model, loss_fn = self._bert()
+        with self.kernels():
+            _, plain = self._grads(model, loss_fn, act.ACTConfig(bits=4, adaptive=False), autocast=True)
+            _, side = self._grads(model, loss_fn, act.ACTConfig(bits=4, adaptive=False, side_stream=True),
+                                  autocast=True)
+        return None if torch.equal(plain, side) else f"{int((plain != side).sum())} gradient elements differ"
+
+    def step(self) -> str | None:
+        """A compressed bf16 step (kernels on CUDA, the torch path on CPU) against the uncompressed one."""
+        model, loss_fn = self._bert()
+        loss, exact = self._grads(model, loss_fn, None, autocast=self.cuda)
+        backend = "cupy" if self.cuda else "torch"
+        with self.kernels() if self.cuda else contextlib.nullcontext():
+            compressed_loss, grads = self._grads(model, loss_fn, act.ACTConfig(bits=4, adaptive=False,
+                                                                                backend=backend), autocast=self.cuda)
+        cosine = float(torch.nn.functional.cosine_similarity(grads, exact, dim=0))
+        self.note = f"gradient cosine {cosine:.4f} to the uncompressed step's"
+        if not (torch.isfinite(grads).all() and abs(compressed_loss - loss) < 1e-3 * max(1.0, abs(loss))):
+            return f"loss {compressed_loss} against {loss} uncompressed, or non-finite gradients"
+        return None if cosine > 0.9 else f"gradient cosine {cosine:.4f} to the uncompressed step's (want > 0.9)"
+
+    def host_time(self) -> str | None:
+        """µs of host time per saved tensor in the hooks, the real CUDA path (reported, not a pass/fail bar)."""
+        if not self.cuda:
+            raise Skip("the CPU proxy is benchmarks/bench_host_overhead.py")
+        from bench_host_overhead import _HookClock, bert_base
+
+        model, loss_fn = bert_base(12)
+        model.to(self.device)
+        ids = torch.randint(0, 1024, (1, 8), device=self.device)
+        labels = torch.randint(0, 2, (1,), device=self.device)
+        with self.kernels():
+            compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False, backend="cupy"))
+            clock = _HookClock()
+            compressor._pack, compressor._unpack = clock.wrap(compressor._pack), clock.wrap(compressor._unpack)
+            per_tensor = []
+            for i in range(8):
+                model.zero_grad(set_to_none=True)
+                clock.seconds, clock.calls = 0.0, 0
+                with compressor.compress():
+                    loss = model(input_ids=ids, labels=labels).loss
+                loss.backward()
+                torch.cuda.synchronize()
+                if i >= 2:
+                    per_tensor.append(clock.seconds / compressor.stats().num_saved * 1e6)
+        per_tensor.sort()
+        stats = compressor.stats()
+        self.note = (f"{per_tensor[len(per_tensor) // 2]:.1f} µs per saved tensor (median of 6 steps; "
+                     f"{stats.num_saved} saved tensors, {stats.num_compressed} compressed)")
+        return None
+
+
+def checks(device: torch.device, only: tuple[str, ...], codecs: tuple[str, ...] = tuple(CODECS)) -> list[dict]:
+    c = Checks(device)
+    plan = []
+    for name, (codec, options) in CODECS.items():
+        if name not in codecs:
+            continue
+        for dtype in DTYPES:
+            case = f"{name}, {str(dtype).removeprefix('torch.')}"
+            plan.append(("kernels", case, lambda codec=codec, options=options, dtype=dtype:
+                         c.codec_bytes(codec, options, dtype)))
+    for name, (codec, options) in CODECS.items():
+        if name not in codecs:
+            continue
+        plan.append(("no sync", name, lambda codec=codec, options=options: c.no_sync(codec, options, torch.bfloat16)))
+    plan.append(("lorenzo trim", "float32", c.lorenzo_trim))
+    for bits in (1, 4):
+        for dtype in (torch.float32, torch.bfloat16):
+            plan.append(("compile", f"{bits}-bit, {str(dtype).removeprefix('torch.')}",
+                         lambda bits=bits, dtype=dtype: c.compiled(bits, dtype)))
+    plan.append(("side stream", "BERT 2x128, 4-bit, bf16", c.side_stream))
+    plan.append(("step", "BERT 2x128, 4-bit", c.step))
+    plan.append(("host", "BERT-base shape, 1 x 8, 4-bit", c.host_time))
+    for check, case, fn in plan:
+        if not only or check.replace(" ", "-") in only:
+            c.run(check, case, fn)
+    return c.rows
+
+
+def report(rows: list[dict], device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU stand-in (--cpu)"
+    cupy = "CuPy " + __import__("cupy").__version__ if act.cuda.cupy_available() else "no CuPy"
+    failed = sum(r["status"] == "FAILED" for r in rows)
+    lines = [f"# GPU checks: {name}", "",
+             f"{machine()}; torch {torch.__version__} (CUDA {torch.version.cuda}), {cupy}. "
+             f"{len(rows)} checks, {failed} failed. Command: `python benchmarks/check_gpu.py {' '.join(sys.argv[1:])}`",
+             "", "| check | case | status | detail | s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['check']} | {r['case']} | {r['status']} | {r['detail']} | {r['seconds']:.1f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="without CUDA: the CPU stand-ins (what CI runs)")
+    parser.add_argument("--only", nargs="+", choices=["kernels", "no-sync", "lorenzo-trim", "compile", "side-stream",
+                                                      "step", "host"], default=())
+    parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS),
+                        help="the codecs of the kernels and no-sync checks")
+    parser.add_argument("--out", type=Path, help="markdown table (default: benchmarks/results/gpu_checks.md on CUDA)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.cpu:
+        print("check_gpu.py checks the CUDA paths on a GPU, and torch sees no CUDA device: nothing was checked. "
+              "`--cpu` runs the CPU stand-ins.", file=sys.stderr)
+        return NO_CUDA_EXIT
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    out = args.out if args.out is not None or device.type != "cuda" else HERE / "results" / "gpu_checks.md"
+    rows = checks(device, tuple(args.only), tuple(args.codecs))
+    publish(report(rows, device), out)
+    return 1 if any(r["status"] == "FAILED" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
