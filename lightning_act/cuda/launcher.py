@@ -85,7 +85,7 @@ class CupyRunner:
         return self._functions[function_key]
 
     def _stream(self, device_index: int):
-        raw = torch.cuda.current_stream(device_index).cuda_stream
+        raw = _current_raw_stream(device_index)
         stream = self._streams.get((device_index, raw))
         if stream is None:
             stream = self._streams[(device_index, raw)] = self._cupy.cuda.ExternalStream(raw, device_index)
@@ -110,6 +110,17 @@ class CupyRunner:
     def _launch(self, source, kernel, grid, block, args, shared_mem, index):
         function = self._function(source, kernel, index)
         function(grid, block, tuple(args), shared_mem=shared_mem, stream=self._stream(index))
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch only
+
+
+def _current_raw_stream(device_index: int) -> int:
+    """The ``cudaStream_t`` of torch's current stream on a device: read without building a ``torch.cuda.Stream``
+    where torch has the binding (inductor's generated code reads it the same way), else from ``current_stream``."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 _default_runner: CupyRunner | None = None
