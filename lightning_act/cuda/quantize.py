@@ -7,6 +7,7 @@ count (``launcher.multiprocessors``) and stride over the groups.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -201,22 +202,20 @@ class QuantizeKernels:
         self.bits, self.group_size, self.stats_dtype = bits, group_size, stats_dtype
         self._seed_hash = rng.seed_hash(seed)
         self._encodes: dict[tuple, _Plan] = {}
-        self._decodes: dict[tuple, _Plan] = {}
+        self._decodes: dict[tuple, tuple[_Plan, tuple[int, ...]]] = {}
 
-    def _plan(self, plans: dict, build, numel: int, dtype: torch.dtype, device: torch.device,
-              runner: KernelRunner) -> _Plan:
-        if len(plans) >= _PLANS_PER_FORMAT:  # sizes met so far: bounded, as the module's plan caches are
-            plans.clear()
-        plan = plans[(numel, dtype, device, runner)] = build(
-            numel, dtype, self.bits, self.group_size, self.stats_dtype, launcher.multiprocessors(runner, device),
-            launcher.MAX_BLOCKS)
-        return plan
+    def _build(self, build, numel: int, dtype: torch.dtype, device: torch.device, runner: KernelRunner) -> _Plan:
+        return build(numel, dtype, self.bits, self.group_size, self.stats_dtype,
+                     launcher.multiprocessors(runner, device), launcher.MAX_BLOCKS)
 
     def encode(self, x: torch.Tensor, key: int, runner: KernelRunner) -> OneBuffer:
         numel, dtype, device = x.numel(), x.dtype, x.device
-        plan = self._encodes.get((numel, dtype, device, runner))
+        plans = self._encodes
+        plan = plans.get((numel, dtype, device, runner))
         if plan is None:
-            plan = self._plan(self._encodes, _encode_plan, numel, dtype, device, runner)
+            if len(plans) >= _PLANS_PER_FORMAT:  # sizes met so far: bounded, as the module's plan caches are
+                plans.clear()
+            plan = plans[(numel, dtype, device, runner)] = self._build(_encode_plan, numel, dtype, device, runner)
         buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=device), plan.layout)
         if plan.grid is not None:
             runner.launch(SOURCE, "quantize_encode", plan.grid, plan.block,
@@ -227,11 +226,15 @@ class QuantizeKernels:
     def decode(self, buffers: OneBuffer, shape: torch.Size, dtype: torch.dtype, runner: KernelRunner
                ) -> torch.Tensor:
         device = buffers.data.device
-        out = torch.empty(shape, dtype=dtype, device=device)
-        numel = out.numel()
-        plan = self._decodes.get((numel, dtype, device, runner))
-        if plan is None:
-            plan = self._plan(self._decodes, _decode_plan, numel, dtype, device, runner)
+        plans = self._decodes
+        found = plans.get((shape, dtype, device, runner))
+        if found is None:  # the plan, and the shape as a tuple (torch.empty parses a torch.Size twice as slowly)
+            if len(plans) >= _PLANS_PER_FORMAT:
+                plans.clear()
+            plan = self._build(_decode_plan, math.prod(shape), dtype, device, runner)
+            found = plans[(shape, dtype, device, runner)] = (plan, tuple(shape))
+        plan, dims = found
+        out = torch.empty(dims, dtype=dtype, device=device)
         if plan.grid is not None:
             runner.launch(SOURCE, "quantize_decode", plan.grid, plan.block,
                           (*buffers.pointers(), *plan.args, np.uint64(out.data_ptr()), plan.last), plan.shared, device)
