@@ -88,3 +88,24 @@ def test_bfloat16_cast_encodes_and_decodes_without_a_whole_nan_mask(dtype):
     peak, y = _peak(lambda: codec.decode(packed))
     assert torch.equal(y.isnan(), x.isnan())
     assert peak <= x.numel() * 4 + SLACK, f"decode peaked {peak / MiB:.1f} MiB"
+
+
+def test_lorenzo_torch_path_temporaries_are_a_chunks_not_the_tensors():
+    """The lorenzo specification (the torch path) works chunk by chunk: an encode or decode of a tensor twice as
+    large peaks higher by no more than the extra stored and decoded bytes (its workspace is one chunk's,
+    ``formats.lorenzo.CHUNK_ELEMENTS``), and that workspace stays under 200 bytes per chunk element."""
+    from lightning_act.formats import lorenzo as spec
+
+    codec = act.codecs.get("lorenzo", error_bound=1e-2, backend="torch")
+    torch.manual_seed(0)
+    peaks = {}
+    for n in (N // 8, N // 4):  # 4 and 8 chunks
+        x = torch.randn(n).relu_()
+        codec.encode(x)  # warm-up (see the mask tests)
+        encode_peak, packed = _peak(lambda: codec.encode(x))
+        decode_peak, y = _peak(lambda: codec.decode(packed))
+        assert (y - x).abs().max() <= 1e-2
+        peaks[n] = (encode_peak - packed.nbytes, decode_peak - y.numel() * y.element_size())
+    (small_encode, small_decode), (large_encode, large_decode) = peaks[N // 8], peaks[N // 4]
+    assert large_encode <= small_encode + SLACK and large_decode <= small_decode + SLACK, peaks
+    assert max(large_encode, large_decode) <= 200 * spec.CHUNK_ELEMENTS, peaks

@@ -77,7 +77,7 @@ BLOCK = 32
 TMAX = float(1 << 29)
 MODE_RAW, MODE_LORENZO, MODE_SPARSE, MODE_VERBATIM = 0, 1, 2, 3
 # Elements per torch chunk: bounds the bit-plane temporaries (a few bytes per element and plane).
-CHUNK_ELEMENTS = 1 << 18
+CHUNK_ELEMENTS = 1 << 17
 
 
 # Largest working bound: twice it is the largest finite float32, so the grid step never overflows (a larger
