@@ -59,6 +59,31 @@ class _NoHostReadOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class recorded_ops(TorchDispatchMode):
+    """Context: records the name of every ATen op run inside it (``.ops``), e.g. to count a hot path's
+    allocations (``empty.memory_format``)."""
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func).removeprefix("aten."))
+        return func(*args, **(kwargs or {}))
+
+
+class RecordingRunner:
+    """A kernel runner for CPU tensors that launches nothing and records each kernel's name."""
+
+    device_type = "cpu"
+
+    def __init__(self):
+        self.kernels = []
+
+    def launch(self, source, kernel, grid, block, args, shared_mem, device) -> None:
+        self.kernels.append(kernel)
+
+
 class no_host_reads:
     """Context: any host read of a tensor value raises :class:`HostReadError`."""
 
@@ -133,3 +158,4 @@ def test_codec_cuda_paths_never_read_a_device_value_on_the_host(runner, codec, d
     assert nbytes == sum(b.numel() * b.element_size() for b in packed.buffers.values()) > 0
     reference = act.codecs.get(name, backend="torch", **options)
     assert_same_bits(decoded, reference.decode(reference.encode(x, key=5)))
+
