@@ -200,7 +200,8 @@ def test_codec_kernel_path_is_one_allocation_and_one_launch_each_way():
     assert encode.ops == ["empty.memory_format"] and decode.ops == ["empty.memory_format"]
     assert runner.kernels == ["division_encode", "division_decode"]
     assert type(packed.buffers) is OneBuffer and (out.shape, out.dtype) == (x.shape, x.dtype)
-    assert packed.nbytes == packed.buffers.layout.nbytes == 6 * 4 * 2 + 720 * 2 // 8 + 2 * 6 * 2  # lfc, payload, mn and step
+    # lfc (6 planes x 2 x 2 blocks), payload (720 2-bit codes), mn and step: bfloat16 but the payload
+    assert packed.nbytes == packed.buffers.layout.nbytes == 6 * 4 * 2 + 720 * 2 // 8 + 2 * 6 * 2
 
 
 def test_plans_are_built_once_per_format_dtype_and_size():

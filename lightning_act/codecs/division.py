@@ -7,7 +7,7 @@ import math
 import torch
 
 from .._validate import check_choice, check_int
-from ..cuda.division import (division_decode_cuda, division_decode_cuda_packed, division_encode_cuda_packed)
+from ..cuda.division import division_decode_cuda, division_decode_cuda_packed, division_encode_cuda_packed
 from ..cuda.launcher import DTYPE_CODES, OneBuffer
 from ..formats._bitpack import PACKABLE_BITS
 from ..formats.division import block_counts, division_decode_reference, division_encode_reference, planes_and_spatial

@@ -109,11 +109,13 @@ def _check_flat(flat: torch.Tensor, runner: KernelRunner) -> None:
         raise ValueError(f"flat must be 1-dimensional; got shape {tuple(flat.shape)}")
 
 
-def _header(x: torch.Tensor, plan: _Plan, bound: tuple, header: np.uint64, runner: KernelRunner) -> torch.Tensor:
-    """The header pass: writes each block's header at ``header``; returns the blocks' payload sizes (int32)."""
-    sizes = torch.empty(plan.blocks, dtype=torch.int32, device=x.device)
+def _header(x: np.uint64, plan: _Plan, bound: tuple, header: np.uint64, runner: KernelRunner,
+            device: torch.device) -> torch.Tensor:
+    """The header pass over the input at ``x``: writes each block's header at ``header``; returns the blocks'
+    payload sizes (int32)."""
+    sizes = torch.empty(plan.blocks, dtype=torch.int32, device=device)
     runner.launch(SOURCE, "lorenzo_header", plan.grid, plan.block,
-                  (pointer(x), plan.code, plan.numel, *bound, header, pointer(sizes)), 0, x.device)
+                  (x, plan.code, plan.numel, *bound, header, pointer(sizes)), 0, device)
     return sizes
 
 
@@ -121,9 +123,10 @@ def _encode(x: torch.Tensor, plan: _Plan, bound: tuple, buffers: OneBuffer, runn
     """Both encode kernels into ``buffers``; returns each block's end offset in the payload (int64, on the
     device), the last of them the payload's size."""
     header, payload = buffers.pointers()
-    ends = torch.cumsum(_header(x, plan, bound, header, runner), 0, dtype=torch.int64)
+    source, device = pointer(x), x.device
+    ends = torch.cumsum(_header(source, plan, bound, header, runner, device), 0, dtype=torch.int64)
     runner.launch(SOURCE, "lorenzo_payload", plan.grid, plan.block,
-                  (pointer(x), plan.code, plan.numel, *bound, pointer(ends), payload), 0, x.device)
+                  (source, plan.code, plan.numel, *bound, pointer(ends), payload), 0, device)
     return ends
 
 
@@ -137,7 +140,7 @@ def lorenzo_header_pass(flat: torch.Tensor, error_bound: float, *,
     header = torch.empty(plan.blocks, dtype=torch.int16, device=flat.device)
     if plan.grid is None:
         return header, torch.empty(0, dtype=torch.int32, device=flat.device)
-    return header, _header(flat, plan, bound_scalars(error_bound), pointer(header), runner)
+    return header, _header(pointer(flat), plan, bound_scalars(error_bound), pointer(header), runner, flat.device)
 
 
 def lorenzo_encode_cuda(flat: torch.Tensor, error_bound: float, *, runner: KernelRunner | None = None
