@@ -109,11 +109,12 @@ def _get_plan(planes, spatial, dtype, block, bits, runner: KernelRunner, device:
     return _plan(planes, spatial, dtype, block, bits, launcher.multiprocessors(runner, device), launcher.MAX_BLOCKS)
 
 
-def _encode(x: torch.Tensor, plan: _Plan, buffers: OneBuffer, seed: int, key: int, runner: KernelRunner) -> None:
+def _encode(x: torch.Tensor, plan: _Plan, buffers: OneBuffer, seed: int, key: int, runner: KernelRunner,
+            device: torch.device) -> None:
     if plan.grid is not None:
         runner.launch(SOURCE, "division_encode", plan.grid, plan.block,
                       (pointer(x), *plan.encode_args, np.uint32(rng.stream_base(seed, key)), plan.stage,
-                       *buffers.pointers()), plan.shared, x.device)
+                       *buffers.pointers()), plan.shared, device)
 
 
 def _decode(parts: tuple, plan: _Plan, out: torch.Tensor, runner: KernelRunner, device: torch.device) -> None:
@@ -139,7 +140,7 @@ def division_encode_cuda(x: torch.Tensor, block: int, bits: int, seed: int, key:
                              f"{tuple(x.shape)}")
     plan = _get_plan(x.shape[0], tuple(x.shape[1:]), x.dtype, block, bits, runner, x.device)
     buffers = OneBuffer.empty(plan.layout, x.device)
-    _encode(x, plan, buffers, seed, key, runner)
+    _encode(x, plan, buffers, seed, key, runner, x.device)
     lfc, payload, mn, step = buffers.values()
     return lfc.view(plan.lfc_shape), payload, mn, step
 
@@ -154,7 +155,7 @@ def division_encode_cuda_packed(x: torch.Tensor, planes: int, spatial: tuple[int
     device = x.device
     plan = _get_plan(planes, spatial, x.dtype, block, bits, runner, device)
     buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=device), plan.layout)
-    _encode(x, plan, buffers, seed, key, runner)
+    _encode(x, plan, buffers, seed, key, runner, device)
     return buffers
 
 

@@ -84,7 +84,7 @@ class _Plan(NamedTuple):
     blocks: int  # blocks of BLOCK elements
     grid: tuple | None  # of the header, payload and decode kernels (a warp per block); None: nothing to launch
     block: tuple | None
-    sizes_grid: tuple | None  # of lorenzo_sizes (a thread per block)
+    sizes_grid: tuple  # of lorenzo_sizes (a thread per block)
     code: np.int32  # the dtype of the input (encode) and output (decode)
     numel: np.int64
     blocks64: np.int64
@@ -119,11 +119,12 @@ def _header(x: np.uint64, plan: _Plan, bound: tuple, header: np.uint64, runner: 
     return sizes
 
 
-def _encode(x: torch.Tensor, plan: _Plan, bound: tuple, buffers: OneBuffer, runner: KernelRunner) -> torch.Tensor:
+def _encode(x: torch.Tensor, plan: _Plan, bound: tuple, buffers: OneBuffer, runner: KernelRunner,
+            device: torch.device) -> torch.Tensor:
     """Both encode kernels into ``buffers``; returns each block's end offset in the payload (int64, on the
     device), the last of them the payload's size."""
     header, payload = buffers.pointers()
-    source, device = pointer(x), x.device
+    source = pointer(x)
     ends = torch.cumsum(_header(source, plan, bound, header, runner, device), 0, dtype=torch.int64)
     runner.launch(SOURCE, "lorenzo_payload", plan.grid, plan.block,
                   (source, plan.code, plan.numel, *bound, pointer(ends), payload), 0, device)
@@ -168,7 +169,7 @@ def lorenzo_encode_cuda_packed(x: torch.Tensor, bound: tuple, *, runner: KernelR
     buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=device), plan.layout)
     if plan.grid is None:
         return buffers, None
-    return buffers, _encode(x, plan, bound, buffers, runner)
+    return buffers, _encode(x, plan, bound, buffers, runner, device)
 
 
 def _decode(header: np.uint64, payload: np.uint64, plan: _Plan, step: np.float32, out: torch.Tensor,
@@ -264,9 +265,9 @@ class PayloadTrims:
         """Trim ``packed``'s payload (a :class:`OneBuffer` part) to ``ends[-1]``, the size its encode left on the
         device, once the GPU has written it. Off the ops' device, nothing: the other runners finish before they
         return, and exist for tests."""
-        if ends is None or ends.device.type != self.ops.device_type:
+        device = packed.device
+        if ends is None or device.type != self.ops.device_type:
             return
-        device = ends.device
         with self._lock:
             free = self._free.get(device)
             slot = free.pop() if free else None
