@@ -13,7 +13,7 @@ from lightning_act.cuda.launcher import OneBuffer, use_runner
 from tests.cuda_emulation.checks import DTYPES, assert_refused_before_launch, assert_same_bits, check_division
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
 from tests.cuda_emulation.nan_payloads import GROUPS, nan_payload_groups
-from tests.test_no_host_sync import RecordingRunner, recorded_ops
+from tests.host_path import RecordingRunner, recorded_ops
 
 BITS = [1, 2, 4, 8]
 

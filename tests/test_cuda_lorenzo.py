@@ -3,8 +3,6 @@
 Bit for bit: headers, payload bytes and sizes, decoded tensors, NaN encodings included. Every block mode (raw,
 Lorenzo, sparse, verbatim, all-zero), every dtype the kernels take (float64 runs the torch path), escapes of
 every kind. The payload's reservation and its lazy trim (no host read of a device value) are tested here too."""
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -28,7 +26,7 @@ from lightning_act.formats.lorenzo import (
 from tests.cuda_emulation.checks import assert_refused_before_launch, assert_same_bits, check_lorenzo, lorenzo_data
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
 from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups
-from tests.test_no_host_sync import RecordingRunner, recorded_ops
+from tests.host_path import FakeTrimOps, RecordingRunner, recorded_ops
 
 DTYPES = list(KERNEL_DTYPES)
 
@@ -161,47 +159,6 @@ def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, kind):
     modes = block_sizes(header, 4)[3]
     assert bool(torch.any(modes == MODE_VERBATIM)) == (kind == "noise")  # float32 steps wider than 2 * eb escape
     assert_same_bits(torch_codec.decode(kernel_packed), torch_codec.decode(torch_packed))
-
-
-class _Event:
-    """Stands in for the CUDA event of an encode: complete once the test says so; counts its records."""
-
-    def __init__(self):
-        self.done, self.records = False, []
-
-    def record(self, stream) -> None:
-        self.records.append(stream)
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-
-class FakeTrimOps:
-    """:class:`~lightning_act.cuda.lorenzo.CudaTrimOps` on CPU: plain host slots, events the test completes, a
-    stream that is a name; counts the slot allocations."""
-
-    device_type = "cpu"
-
-    def __init__(self):
-        self.allocations, self.events, self.used = 0, [], []
-
-    def current_stream(self, device):
-        return "encode stream"
-
-    def new_slots(self, device, count):
-        self.allocations += 1
-        host = torch.zeros(count, dtype=torch.int64)
-        events = [_Event() for _ in range(count)]
-        self.events += events
-        return [(host[i:i + 1], event) for i, event in enumerate(events)]
-
-    def use(self, stream):
-        self.used.append(stream)
-        return contextlib.nullcontext()
-
-    def recorded(self):
-        return [event for event in self.events if event.records]
 
 
 @pytest.fixture

@@ -59,31 +59,6 @@ class _NoHostReadOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class recorded_ops(TorchDispatchMode):
-    """Context: records the name of every ATen op run inside it (``.ops``), e.g. to count a hot path's
-    allocations (``empty.memory_format``)."""
-
-    def __enter__(self):
-        self.ops = []
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func).removeprefix("aten."))
-        return func(*args, **(kwargs or {}))
-
-
-class RecordingRunner:
-    """A kernel runner for CPU tensors that launches nothing and records each kernel's name."""
-
-    device_type = "cpu"
-
-    def __init__(self):
-        self.kernels = []
-
-    def launch(self, source, kernel, grid, block, args, shared_mem, device) -> None:
-        self.kernels.append(kernel)
-
-
 class no_host_reads:
     """Context: any host read of a tensor value raises :class:`HostReadError`."""
 
@@ -168,7 +143,7 @@ def test_lorenzo_trim_queue_never_reads_a_device_value_on_the_host(runner, monke
     read nothing on the host; once done, the poll reads the host slot and trims."""
     from lightning_act.codecs import lorenzo as codec_lorenzo
     from lightning_act.cuda.lorenzo import PayloadTrims
-    from tests.test_cuda_lorenzo import FakeTrimOps
+    from tests.host_path import FakeTrimOps
 
     trims = PayloadTrims(FakeTrimOps())
     monkeypatch.setattr(codec_lorenzo, "TRIMS", trims)
