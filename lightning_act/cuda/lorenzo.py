@@ -173,9 +173,8 @@ def lorenzo_encode_cuda_packed(x: torch.Tensor, bound: tuple, *, runner: KernelR
 
 
 def _decode(header: np.uint64, payload: np.uint64, plan: _Plan, step: np.float32, out: torch.Tensor,
-            runner: KernelRunner) -> None:
+            runner: KernelRunner, device: torch.device) -> None:
     if plan.grid is not None:
-        device = out.device
         sizes = torch.empty(plan.blocks, dtype=torch.int32, device=device)
         runner.launch(SOURCE, "lorenzo_sizes", plan.sizes_grid, (SIZES_THREADS, 1, 1),
                       (header, plan.blocks64, plan.code, pointer(sizes)), 0, device)
@@ -203,7 +202,7 @@ def lorenzo_decode_cuda(buffers: dict[str, torch.Tensor], numel: int, error_boun
                          f"{payload.numel()}")
     out = torch.empty(numel, dtype=dtype, device=device)
     _decode(pointer(header), pointer(payload), _plan(numel, dtype, launcher.MAX_BLOCKS),
-            bound_scalars(error_bound)[1], out, runner)
+            bound_scalars(error_bound)[1], out, runner, device)
     return out
 
 
@@ -212,8 +211,9 @@ def lorenzo_decode_cuda_packed(buffers: OneBuffer, shape: torch.Size, step: np.f
     """:func:`lorenzo_decode_cuda` for the codec: decodes what :func:`lorenzo_encode_cuda_packed` stored (or its
     trim) straight into a tensor of ``shape``, without argument checks. ``step``: ``bound_scalars(...)[1]``."""
     runner = runner or default_runner()
-    out = torch.empty(shape, dtype=dtype, device=buffers.data.device)
-    _decode(*buffers.pointers(), _plan(out.numel(), dtype, launcher.MAX_BLOCKS), step, out, runner)
+    device = buffers.data.device
+    out = torch.empty(shape, dtype=dtype, device=device)
+    _decode(*buffers.pointers(), _plan(out.numel(), dtype, launcher.MAX_BLOCKS), step, out, runner, device)
     return out
 
 
