@@ -9,10 +9,11 @@ import lightning_act.cuda.division as cuda_division
 import lightning_act.cuda.launcher as launcher
 from lightning_act.codecs.division import DivisionCodec
 from lightning_act.cuda.division import division_decode_cuda, division_encode_cuda
-from lightning_act.cuda.launcher import use_runner
+from lightning_act.cuda.launcher import OneBuffer, use_runner
 from tests.cuda_emulation.checks import DTYPES, assert_refused_before_launch, assert_same_bits, check_division
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
 from tests.cuda_emulation.nan_payloads import GROUPS, nan_payload_groups
+from tests.host_path import RecordingRunner, recorded_ops
 
 BITS = [1, 2, 4, 8]
 
@@ -183,3 +184,47 @@ def test_empty_tensor_launches_nothing():
 ])
 def test_bad_arguments_are_refused_before_launch(call, match):
     assert_refused_before_launch(call, match)
+
+
+def test_codec_kernel_path_is_one_allocation_and_one_launch_each_way():
+    """The codec's encode on the kernel path allocates its form once (a OneBuffer) and launches once; its decode
+    allocates the output and launches once: no view, copy or other op, for a contiguous input."""
+    runner = RecordingRunner()
+    x = torch.randn(2, 3, 10, 12)
+    with use_runner(runner):
+        codec = DivisionCodec(backend="cupy")
+        with recorded_ops() as encode:
+            packed = codec.encode(x, key=2)
+        with recorded_ops() as decode:
+            out = codec.decode(packed)
+    assert encode.ops == ["empty.memory_format"] and decode.ops == ["empty.memory_format"]
+    assert runner.kernels == ["division_encode", "division_decode"]
+    assert type(packed.buffers) is OneBuffer and (out.shape, out.dtype) == (x.shape, x.dtype)
+    # lfc (6 planes x 2 x 2 blocks), payload (720 2-bit codes), mn and step: bfloat16 but the payload
+    assert packed.nbytes == packed.buffers.layout.nbytes == 6 * 4 * 2 + 720 * 2 // 8 + 2 * 6 * 2
+
+
+def test_plans_are_built_once_per_format_dtype_and_size():
+    """Encode and decode of one size share one plan, built at the first encode; another size or dtype builds
+    another."""
+    cuda_division._plan.cache_clear()
+    with use_runner(RecordingRunner()):
+        codec = DivisionCodec(backend="cupy")
+        for key in range(3):
+            codec.decode(codec.encode(torch.randn(4, 8, 8), key=key))
+        assert cuda_division._plan.cache_info()[:2] == (5, 1)  # (hits, misses)
+        codec.decode(codec.encode(torch.randn(4, 8, 9)))
+        codec.decode(codec.encode(torch.randn(4, 8, 8, dtype=torch.float16)))
+    assert cuda_division._plan.cache_info()[:2] == (7, 3)
+
+
+def test_codec_refuses_a_plane_the_kernels_cannot_take():
+    """The hot path skips the argument checks, not the layout's: a plane of 2**31 elements raises ValueError
+    naming it (the meta device stands in for a GPU's memory)."""
+    class MetaRunner(RecordingRunner):
+        device_type = "meta"
+
+    with use_runner(MetaRunner()):
+        codec = DivisionCodec(backend="cupy")
+        with pytest.raises(ValueError, match=r"spatial=\(2147483648,\); the CUDA kernels take planes of fewer"):
+            codec.encode(torch.empty(2, 1 << 31, device="meta"))

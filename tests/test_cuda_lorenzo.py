@@ -3,14 +3,16 @@
 Bit for bit: headers, payload bytes and sizes, decoded tensors, NaN encodings included. Every block mode (raw,
 Lorenzo, sparse, verbatim, all-zero), every dtype the kernels take (float64 runs the torch path), escapes of
 every kind. The payload's reservation and its lazy trim (no host read of a device value) are tested here too."""
+import numpy as np
 import pytest
 import torch
 
+import lightning_act.codecs.lorenzo as codec_lorenzo
 import lightning_act.cuda.launcher as launcher
 import lightning_act.cuda.lorenzo as cuda_lorenzo
 import lightning_act.formats.lorenzo as spec
 from lightning_act.codecs.lorenzo import LorenzoCodec
-from lightning_act.cuda.launcher import use_runner
+from lightning_act.cuda.launcher import OneBuffer, use_runner
 from lightning_act.cuda.lorenzo import KERNEL_DTYPES, lorenzo_decode_cuda, lorenzo_encode_cuda
 from lightning_act.formats.lorenzo import (
     MODE_LORENZO,
@@ -24,6 +26,7 @@ from lightning_act.formats.lorenzo import (
 from tests.cuda_emulation.checks import assert_refused_before_launch, assert_same_bits, check_lorenzo, lorenzo_data
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
 from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups
+from tests.host_path import FakeTrimOps, RecordingRunner, recorded_ops
 
 DTYPES = list(KERNEL_DTYPES)
 
@@ -145,6 +148,7 @@ def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, kind):
     bound = 1e-3 if kind == "smooth" else 1e-7
     with use_runner(runner):  # the emulator stands in for the GPU
         kernel_packed = LorenzoCodec(error_bound=bound, backend="cupy").encode(x)
+    assert len(cuda_lorenzo.TRIMS) == 0  # off CUDA nothing is queued
     torch_codec = LorenzoCodec(error_bound=bound, backend="torch")
     torch_packed = torch_codec.encode(x)
     header, payload = torch_packed.buffers["header"], torch_packed.buffers["payload"]
@@ -157,43 +161,61 @@ def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, kind):
     assert_same_bits(torch_codec.decode(kernel_packed), torch_codec.decode(torch_packed))
 
 
-class _Event:
-    """Stands in for the CUDA event of an encode: complete once the test says so."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
+@pytest.fixture
+def fake_trims(monkeypatch):
+    """The codec's trim queue on CPU (``FakeTrimOps``): the emulator's encodes are tracked as CUDA's are."""
+    trims = cuda_lorenzo.PayloadTrims(FakeTrimOps())
+    monkeypatch.setattr(codec_lorenzo, "TRIMS", trims)
+    return trims
 
 
 @pytest.mark.toolchain
 @requires_gxx
-def test_payloads_are_trimmed_in_order_once_their_encode_completed(runner):
+def test_payloads_are_trimmed_in_order_once_their_encode_completed(runner, fake_trims):
     """PayloadTrims cuts each payload to the size its encode left on the device, only after its event completed
-    and the older ones too; a form released before its trim is skipped. Off CUDA the codec queues nothing."""
+    and the older ones too, on the encode's stream; a form released before its trim is skipped; the trimmed form
+    is one allocation and decodes as the reference does."""
     x = lorenzo_data("smooth", 1000)
     with use_runner(runner):
         kernels = LorenzoCodec(error_bound=1e-3, backend="cupy")
         forms = [kernels.encode(x), kernels.encode(x * 2), kernels.encode(x)]
-    assert len(cuda_lorenzo.TRIMS) == 0
     reference = LorenzoCodec(error_bound=1e-3, backend="torch")
     expected = [reference.encode(v) for v in (x, x * 2, x)]
-    trims, events = cuda_lorenzo.PayloadTrims(), [_Event() for _ in forms]
-    for packed, event, exact in zip(forms, events, expected):
-        trims.queue(packed, event, torch.tensor([exact.buffers["payload"].numel()]), None)
-    del forms[2]  # released (decoded) before its trim
+    events = fake_trims.ops.recorded()
+    assert len(fake_trims) == 3 and len(events) == 3
+    assert [event.records for event in events] == [["encode stream"]] * 3
+    del forms[2], expected[2]  # released (decoded) before its trim
     events[1].done = True
-    trims.poll()  # the oldest has not completed: nothing is trimmed
-    assert len(trims) == 3 and [p.nbytes for p in forms] == [2 * 32 + 4 * 1024] * 2
+    fake_trims.poll()  # the oldest has not completed: nothing is trimmed
+    assert len(fake_trims) == 3 and [p.nbytes for p in forms] == [2 * 32 + 4 * 1024] * 2
     events[0].done = events[2].done = True
-    trims.poll()
-    assert len(trims) == 0
+    fake_trims.poll()
+    assert len(fake_trims) == 0 and fake_trims.ops.used == ["encode stream"] * 2
     for packed, exact in zip(forms, expected):
+        assert type(packed.buffers) is OneBuffer and packed.buffers.data.numel() == packed.buffers.layout.total
         assert packed.nbytes == exact.nbytes < 1000
+        assert_same_bits(packed.buffers["header"], exact.buffers["header"])
         assert_same_bits(packed.buffers["payload"], exact.buffers["payload"])
         with use_runner(runner):
             assert_same_bits(kernels.decode(packed), reference.decode(exact))
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_trim_slots_and_events_are_reused(runner, fake_trims):
+    """Tracking allocates host slots (and events) a batch at a time and reuses each once its size was read: a
+    thousand encodes, polled as they go, allocate once and record on few events."""
+    x = lorenzo_data("smooth", 100)
+    ops = fake_trims.ops
+    with use_runner(runner):
+        codec = LorenzoCodec(error_bound=1e-3, backend="cupy")
+        for _ in range(1000):
+            codec.encode(x)  # polls first: the previous encode's slot is free again
+            for event in ops.recorded():
+                event.done = True
+    fake_trims.poll()
+    assert ops.allocations == 1 and len(fake_trims) == 0
+    assert len(ops.recorded()) <= 2 and sum(len(event.records) for event in ops.events) == 1000
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
@@ -300,3 +322,41 @@ def test_config_passes_the_backend_and_bad_backends_are_named():
     assert (codec.backend, codec.error_bound) == ("torch", 1e-3)
     with pytest.raises(ValueError, match="backend='gpu'"):
         LorenzoCodec(error_bound=1e-3, backend="gpu")
+
+
+def test_codec_kernel_path_allocates_its_form_once():
+    """Encode on the kernel path: the form in one allocation (a OneBuffer of header and payload), the header
+    pass's sizes and their prefix sum, two launches; decode: the output, the sizes and their prefix sum, two
+    launches. Nothing else: no view, no copy, no check."""
+    runner = RecordingRunner()
+    x = torch.randn(3, 100)
+    with use_runner(runner):
+        codec = LorenzoCodec(error_bound=1e-2, backend="cupy")
+        with recorded_ops() as encode:
+            packed = codec.encode(x)
+        with recorded_ops() as decode:
+            out = codec.decode(packed)
+    assert encode.ops == decode.ops == ["empty.memory_format", "empty.memory_format", "cumsum.default"]
+    assert runner.kernels == ["lorenzo_header", "lorenzo_payload", "lorenzo_sizes", "lorenzo_decode"]
+    assert type(packed.buffers) is OneBuffer and (out.shape, out.dtype) == (x.shape, x.dtype)
+    assert packed.nbytes == 2 * 10 + 4 * 320
+
+
+def test_plans_are_built_once_per_size_and_dtype():
+    cuda_lorenzo._plan.cache_clear()
+    with use_runner(RecordingRunner()):
+        codec = LorenzoCodec(error_bound=1e-2, backend="cupy")
+        for _ in range(3):
+            codec.decode(codec.encode(torch.randn(300)))
+        assert cuda_lorenzo._plan.cache_info()[:2] == (5, 1)  # (hits, misses)
+        codec.decode(codec.encode(torch.randn(300, dtype=torch.float16)))
+    assert cuda_lorenzo._plan.cache_info()[:2] == (6, 2)
+
+
+def test_changing_the_bound_rebuilds_the_kernels_scalars():
+    codec = LorenzoCodec(error_bound=1e-2)
+    codec.error_bound = 1e-3
+    assert codec.error_bound == 1e-3 and codec._bound == tuple(np.float32(v) for v in working_bound(1e-3))
+    with pytest.raises(ValueError, match=r"error_bound=-1"):
+        codec.error_bound = -1
+    assert codec.error_bound == 1e-3

@@ -133,3 +133,29 @@ def test_codec_cuda_paths_never_read_a_device_value_on_the_host(runner, codec, d
     assert nbytes == sum(b.numel() * b.element_size() for b in packed.buffers.values()) > 0
     reference = act.codecs.get(name, backend="torch", **options)
     assert_same_bits(decoded, reference.decode(reference.encode(x, key=5)))
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_lorenzo_trim_queue_never_reads_a_device_value_on_the_host(runner, monkeypatch):
+    """The lazy trim's host side, with CPU stand-ins for pinned slots and events (tests/test_cuda_lorenzo.py):
+    tracking an encode (its size copied into a host slot, an event recorded) and polling before the GPU is done
+    read nothing on the host; once done, the poll reads the host slot and trims."""
+    from lightning_act.codecs import lorenzo as codec_lorenzo
+    from lightning_act.cuda.lorenzo import PayloadTrims
+    from tests.host_path import FakeTrimOps
+
+    trims = PayloadTrims(FakeTrimOps())
+    monkeypatch.setattr(codec_lorenzo, "TRIMS", trims)
+    x = _data(torch.float32)
+    with use_runner(runner), no_host_reads():
+        codec = act.codecs.get("lorenzo", backend="cupy", error_bound=1e-2)
+        packed = codec.encode(x, key=5)
+        reserved = packed.nbytes
+        codec.encode(x, key=5)
+        trims.poll()
+    assert len(trims) == 2
+    for event in trims.ops.recorded():
+        event.done = True
+    trims.poll()
+    assert len(trims) == 0 and packed.nbytes < reserved

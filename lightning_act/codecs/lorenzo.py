@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from .._validate import check_positive_float
-from ..cuda.lorenzo import TRIMS, lorenzo_decode_cuda, lorenzo_encode_cuda, supports
+from ..cuda.launcher import OneBuffer
+from ..cuda.lorenzo import (TRIMS, bound_scalars, lorenzo_decode_cuda, lorenzo_decode_cuda_packed,
+                            lorenzo_encode_cuda_packed, supports)
 from ..formats.floats import FLOAT_DTYPES, check_float_input
 from ..formats.lorenzo import lorenzo_decode_reference, lorenzo_encode_reference
 from . import register
@@ -25,31 +27,42 @@ class LorenzoCodec(Codec):
     side_stream_safe = False  # the lazy trim reads sizes by events recorded on the stream the encode ran on
 
     def __init__(self, error_bound: float | None = None, backend: str = "auto"):
-        check_positive_float("error_bound", error_bound)
+        self.error_bound = error_bound
         check_backend(backend)
-        self.error_bound = float(error_bound)
         self.backend = backend
+
+    @property
+    def error_bound(self) -> float:
+        return self._error_bound
+
+    @error_bound.setter
+    def error_bound(self, value: float) -> None:
+        check_positive_float("error_bound", value)
+        self._error_bound = float(value)
+        self._bound = bound_scalars(self._error_bound)  # the kernels' (eb, step, inv), built once per bound
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         check_float_input(self.name, x)
-        flat = x.reshape(-1)
-        meta = {"error_bound": self.error_bound}
-        if not self.runs_kernels(flat):
-            return Packed(self.name, x.shape, x.dtype, x.device, lorenzo_encode_reference(flat, self.error_bound),
-                          meta)
+        meta = {"error_bound": self._error_bound}
+        if not self.runs_kernels(x):
+            return Packed(self.name, x.shape, x.dtype, x.device,
+                          lorenzo_encode_reference(x.reshape(-1), self._error_bound), meta)
         TRIMS.poll()
-        buffers, payload_bytes = lorenzo_encode_cuda(flat.contiguous(), self.error_bound)
+        buffers, ends = lorenzo_encode_cuda_packed(x.contiguous(), self._bound)
         packed = Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
-        TRIMS.track(packed, payload_bytes)
+        TRIMS.track(packed, ends)
         return packed
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        if not self.runs_kernels(packed.buffers["header"], packed.dtype):
-            decoded = lorenzo_decode_reference(packed.buffers, packed.numel, packed.meta["error_bound"], packed.dtype)
-            return decoded.view(packed.shape)
-        TRIMS.poll()
-        return lorenzo_decode_cuda(packed.buffers, packed.numel, packed.meta["error_bound"], packed.dtype
-                                   ).view(packed.shape)
+        b, error_bound = packed.buffers, packed.meta["error_bound"]
+        if type(b) is OneBuffer:  # the kernel path's form
+            if self.runs_kernels(b.data, packed.dtype):
+                TRIMS.poll()
+                step = (self._bound if error_bound == self._error_bound else bound_scalars(error_bound))[1]
+                return lorenzo_decode_cuda_packed(b, packed.shape, step, packed.dtype)
+        elif self.runs_kernels(b["header"], packed.dtype):
+            return lorenzo_decode_cuda(b, packed.numel, error_bound, packed.dtype).view(packed.shape)
+        return lorenzo_decode_reference(b, packed.numel, error_bound, packed.dtype).view(packed.shape)
 
     def kernels_take(self, dtype: torch.dtype) -> bool:
         return supports(dtype)

@@ -8,11 +8,17 @@ format caps each block at its 32 values verbatim, escapes included). The actual 
 returns it beside the buffers, as a 1-element int64 tensor. Decode: each block's size from its header (one small
 kernel), their prefix sum on the stream, the decode kernel. One warp per block of 32 elements.
 
+The codec runs :func:`lorenzo_encode_cuda_packed` / :func:`lorenzo_decode_cuda_packed` for every saved tensor: a
+plan cached per size and dtype (layout, grids, scalar arguments), the encoded form in one allocation (a
+:class:`~lightning_act.cuda.launcher.OneBuffer` of ``header`` and the ``payload`` reservation), the codec's bound
+scalars built once; beside it only the header pass's sizes and their prefix sum, per encode and per decode.
+
 The trade-off is memory, for a while. The host cannot size the payload without waiting for the GPU, so a tensor
 first holds its raw size (plus 2 bytes of header per 32 elements); :class:`PayloadTrims` gives the rest back
-lazily. On CUDA, encode queues a non-blocking copy of the size into pinned host memory and an event; every later
-lorenzo encode and decode polls the queue (``Event.query()``, never a wait) and replaces the payload of each
-tensor whose event has completed with an exact-size copy, made on the encode's stream. Memory held is the
+lazily. On CUDA, encode queues a non-blocking copy of the size into a slot of pinned host memory and records the
+slot's event (slots and events are reused once read); every later lorenzo encode and decode polls the queue
+(``Event.query()``, never a wait) and replaces the encoded form of each tensor whose event has completed with an
+exact-size copy of its first bytes (header, then the payload's size), made on the encode's stream. Memory held is the
 compressed size plus the reservations of the tensors the GPU has not encoded yet (or that no call has polled
 since): bounded by how far the host runs ahead of the GPU. ``Packed.nbytes`` is what the buffers hold when it is
 read: the reservation before the trim, the exact size after (the engine, which reads it right after encode,
@@ -29,9 +35,10 @@ not depend on the chunking, so the kernels run over the whole tensor at once.
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import threading
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,7 +47,11 @@ from ..formats.lorenzo import BLOCK, reserved_payload_bytes, working_bound
 from . import launcher
 from .launcher import (
     DTYPE_CODES,
+    PART_ALIGN,
+    BufferLayout,
     KernelRunner,
+    OneBuffer,
+    buffer_layout,
     check_dtype,
     check_runner_device,
     check_tensor,
@@ -60,12 +71,35 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in KERNEL_DTYPES
 
 
-def _grid(blocks: int):
-    return warps_grid(blocks, min(WARPS_PER_BLOCK, blocks), launcher.MAX_BLOCKS)
-
-
-def _bound(error_bound: float) -> tuple[np.float32, np.float32, np.float32]:
+@functools.lru_cache(maxsize=256)  # a codec per bound; the error-bound controller makes a few dozen
+def bound_scalars(error_bound: float) -> tuple[np.float32, np.float32, np.float32]:
+    """``working_bound(error_bound)`` as the kernels' float arguments ``(eb, step, inv)``."""
     return tuple(np.float32(v) for v in working_bound(error_bound))
+
+
+class _Plan(NamedTuple):
+    """What the launches for one size and dtype need besides pointers and the bound, built once."""
+
+    layout: BufferLayout  # of the encoded form: (header, payload reservation)
+    blocks: int  # blocks of BLOCK elements
+    grid: tuple | None  # of the header, payload and decode kernels (a warp per block); None: nothing to launch
+    block: tuple | None
+    sizes_grid: tuple  # of lorenzo_sizes (a thread per block)
+    code: np.int32  # the dtype of the input (encode) and output (decode)
+    numel: np.int64
+    blocks64: np.int64
+
+
+# One entry per (size, dtype) met: a model saves a few hundred distinct sizes. ``max_blocks``: launcher.MAX_BLOCKS.
+@functools.lru_cache(maxsize=4096)
+def _plan(numel: int, dtype: torch.dtype, max_blocks: int) -> _Plan:
+    blocks = -(-numel // BLOCK)
+    layout = buffer_layout((("header", blocks, torch.int16),
+                            ("payload", reserved_payload_bytes(numel, dtype.itemsize), torch.uint8)))
+    grid, block = warps_grid(blocks, min(WARPS_PER_BLOCK, blocks), max_blocks) if blocks else (None, None)
+    sizes_grid = (min(-(-blocks // SIZES_THREADS), max_blocks), 1, 1)
+    return _Plan(layout, blocks, grid, block, sizes_grid, np.int32(DTYPE_CODES[dtype]), np.int64(numel),
+                 np.int64(blocks))
 
 
 def _check_flat(flat: torch.Tensor, runner: KernelRunner) -> None:
@@ -75,21 +109,39 @@ def _check_flat(flat: torch.Tensor, runner: KernelRunner) -> None:
         raise ValueError(f"flat must be 1-dimensional; got shape {tuple(flat.shape)}")
 
 
+def _header(x: np.uint64, plan: _Plan, bound: tuple, header: np.uint64, runner: KernelRunner,
+            device: torch.device) -> torch.Tensor:
+    """The header pass over the input at ``x``: writes each block's header at ``header``; returns the blocks'
+    payload sizes (int32)."""
+    sizes = torch.empty(plan.blocks, dtype=torch.int32, device=device)
+    runner.launch(SOURCE, "lorenzo_header", plan.grid, plan.block,
+                  (x, plan.code, plan.numel, *bound, header, pointer(sizes)), 0, device)
+    return sizes
+
+
+def _encode(x: torch.Tensor, plan: _Plan, bound: tuple, buffers: OneBuffer, runner: KernelRunner,
+            device: torch.device) -> torch.Tensor:
+    """Both encode kernels into ``buffers``; returns each block's end offset in the payload (int64, on the
+    device), the last of them the payload's size."""
+    header, payload = buffers.pointers()
+    source = pointer(x)
+    ends = torch.cumsum(_header(source, plan, bound, header, runner, device), 0, dtype=torch.int64)
+    runner.launch(SOURCE, "lorenzo_payload", plan.grid, plan.block,
+                  (source, plan.code, plan.numel, *bound, pointer(ends), payload), 0, device)
+    return ends
+
+
 def lorenzo_header_pass(flat: torch.Tensor, error_bound: float, *,
                         runner: KernelRunner | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The encode's first kernel (tests compare it piecewise with the specification): per block of 32
     elements its header (int16 storage of the uint16) and payload bytes (int32)."""
     runner = runner or default_runner()
     _check_flat(flat, runner)
-    blocks, device = -(-flat.numel() // BLOCK), flat.device
-    header = torch.empty(blocks, dtype=torch.int16, device=device)
-    sizes = torch.empty(blocks, dtype=torch.int32, device=device)
-    if blocks:
-        grid, block = _grid(blocks)
-        runner.launch(SOURCE, "lorenzo_header", grid, block,
-                      (pointer(flat), np.int32(DTYPE_CODES[flat.dtype]), np.int64(flat.numel()),
-                       *_bound(error_bound), pointer(header), pointer(sizes)), 0, device)
-    return header, sizes
+    plan = _plan(flat.numel(), flat.dtype, launcher.MAX_BLOCKS)
+    header = torch.empty(plan.blocks, dtype=torch.int16, device=flat.device)
+    if plan.grid is None:
+        return header, torch.empty(0, dtype=torch.int32, device=flat.device)
+    return header, _header(pointer(flat), plan, bound_scalars(error_bound), pointer(header), runner, flat.device)
 
 
 def lorenzo_encode_cuda(flat: torch.Tensor, error_bound: float, *, runner: KernelRunner | None = None
@@ -99,17 +151,36 @@ def lorenzo_encode_cuda(flat: torch.Tensor, error_bound: float, *, runner: Kerne
     a 1-element int64 tensor on the device (never read here)."""
     runner = runner or default_runner()
     _check_flat(flat, runner)
-    numel, device = flat.numel(), flat.device
-    header, sizes = lorenzo_header_pass(flat, error_bound, runner=runner)
-    payload = torch.empty(reserved_payload_bytes(numel, flat.element_size()), dtype=torch.uint8, device=device)
-    if not numel:
-        return {"header": header, "payload": payload}, torch.zeros(1, dtype=torch.int64, device=device)
-    ends = torch.cumsum(sizes, 0, dtype=torch.int64)
-    grid, block = _grid(header.numel())
-    runner.launch(SOURCE, "lorenzo_payload", grid, block,
-                  (pointer(flat), np.int32(DTYPE_CODES[flat.dtype]), np.int64(numel), *_bound(error_bound),
-                   pointer(ends), pointer(payload)), 0, device)
-    return {"header": header, "payload": payload}, ends[-1:]
+    buffers, ends = lorenzo_encode_cuda_packed(flat, bound_scalars(error_bound), runner=runner)
+    size = ends[-1:] if ends is not None else torch.zeros(1, dtype=torch.int64, device=flat.device)
+    return dict(buffers), size
+
+
+def lorenzo_encode_cuda_packed(x: torch.Tensor, bound: tuple, *, runner: KernelRunner | None = None
+                               ) -> tuple[OneBuffer, torch.Tensor | None]:
+    """:func:`lorenzo_encode_cuda` for the codec, which runs it for every saved tensor: ``x`` (contiguous, any
+    shape, a kernel dtype) encoded into a :class:`OneBuffer` of ``header`` and the ``payload`` reservation (one
+    allocation, no views built); and each block's end offset in the payload (int64 on the device, the last one
+    the payload's size; None for an empty tensor). ``bound``: :func:`bound_scalars` of the error bound. No
+    argument checks: the codec checked its bound once and passes tensors of a kernel dtype."""
+    runner = runner or default_runner()
+    device = x.device
+    plan = _plan(x.numel(), x.dtype, launcher.MAX_BLOCKS)
+    buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=device), plan.layout)
+    if plan.grid is None:
+        return buffers, None
+    return buffers, _encode(x, plan, bound, buffers, runner, device)
+
+
+def _decode(header: np.uint64, payload: np.uint64, plan: _Plan, step: np.float32, out: torch.Tensor,
+            runner: KernelRunner, device: torch.device) -> None:
+    if plan.grid is not None:
+        sizes = torch.empty(plan.blocks, dtype=torch.int32, device=device)
+        runner.launch(SOURCE, "lorenzo_sizes", plan.sizes_grid, (SIZES_THREADS, 1, 1),
+                      (header, plan.blocks64, plan.code, pointer(sizes)), 0, device)
+        ends = torch.cumsum(sizes, 0, dtype=torch.int64)
+        runner.launch(SOURCE, "lorenzo_decode", plan.grid, plan.block,
+                      (header, pointer(ends), payload, plan.numel, step, pointer(out), plan.code), 0, device)
 
 
 def lorenzo_decode_cuda(buffers: dict[str, torch.Tensor], numel: int, error_bound: float, dtype: torch.dtype, *,
@@ -130,58 +201,104 @@ def lorenzo_decode_cuda(buffers: dict[str, torch.Tensor], numel: int, error_boun
         raise ValueError(f"payload must have at most {most} elements for {numel} values of {dtype}; got "
                          f"{payload.numel()}")
     out = torch.empty(numel, dtype=dtype, device=device)
-    if not numel:
-        return out
-    code = np.int32(DTYPE_CODES[dtype])
-    sizes = torch.empty(blocks, dtype=torch.int32, device=device)
-    runner.launch(SOURCE, "lorenzo_sizes", (min(-(-blocks // SIZES_THREADS), launcher.MAX_BLOCKS), 1, 1),
-                  (SIZES_THREADS, 1, 1), (pointer(header), np.int64(blocks), code, pointer(sizes)), 0, device)
-    ends = torch.cumsum(sizes, 0, dtype=torch.int64)
-    grid, block = _grid(blocks)
-    runner.launch(SOURCE, "lorenzo_decode", grid, block,
-                  (pointer(header), pointer(ends), pointer(payload), np.int64(numel), _bound(error_bound)[1],
-                   pointer(out), code), 0, device)
+    _decode(pointer(header), pointer(payload), _plan(numel, dtype, launcher.MAX_BLOCKS),
+            bound_scalars(error_bound)[1], out, runner, device)
     return out
+
+
+def lorenzo_decode_cuda_packed(buffers: OneBuffer, shape: torch.Size, step: np.float32, dtype: torch.dtype, *,
+                               runner: KernelRunner | None = None) -> torch.Tensor:
+    """:func:`lorenzo_decode_cuda` for the codec: decodes what :func:`lorenzo_encode_cuda_packed` stored (or its
+    trim) straight into a tensor of ``shape``, without argument checks. ``step``: ``bound_scalars(...)[1]``."""
+    runner = runner or default_runner()
+    device = buffers.data.device
+    out = torch.empty(shape, dtype=dtype, device=device)
+    _decode(*buffers.pointers(), _plan(out.numel(), dtype, launcher.MAX_BLOCKS), step, out, runner, device)
+    return out
+
+
+def trimmed_layout(layout: BufferLayout, size: int) -> BufferLayout:
+    """``layout`` (header, payload reservation) with a payload of ``size`` bytes: the same offsets, so the
+    trimmed form is the first ``total`` bytes of the reserved one."""
+    reserved = layout.numels[1]
+    return layout._replace(numels=(layout.numels[0], size), total=layout.offsets[1] + size + (-size % PART_ALIGN),
+                           nbytes=layout.nbytes - reserved + size)
+
+
+class CudaTrimOps:
+    """What :class:`PayloadTrims` asks of CUDA (tests stand in for it on CPU): the current stream, host slots
+    for sizes (pinned memory, each with its reusable event), and running work on a stream."""
+
+    device_type = "cuda"
+
+    @staticmethod
+    def current_stream(device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    @staticmethod
+    def new_slots(device: torch.device, count: int) -> list[tuple[torch.Tensor, object]]:
+        host = torch.empty(count, dtype=torch.int64, pin_memory=True)
+        return [(host[i:i + 1], torch.cuda.Event()) for i in range(count)]
+
+    @staticmethod
+    def use(stream):
+        return torch.cuda.stream(stream)
 
 
 class PayloadTrims:
     """Encoded forms whose payload is still the encode's reservation, waiting for the GPU to finish them; each
-    is cut to its exact size once it has (see the module docstring). Thread-safe: hooks run per thread."""
+    is cut to its exact size once it has (see the module docstring). Thread-safe: hooks run per thread.
 
-    def __init__(self):
-        self._pending = collections.deque()  # (weakref to a Packed, event, host int64 size, stream), FIFO
+    A tracked form's size is copied into a slot of pinned host memory, with an event recorded after the copy;
+    slots and their events are made ``SLOTS_PER_ALLOCATION`` at a time and reused once their size was read, so
+    tracking a tensor allocates nothing in the steady state."""
+
+    SLOTS_PER_ALLOCATION = 256
+
+    def __init__(self, ops=None):
+        self.ops = ops or CudaTrimOps()
+        self._pending = collections.deque()  # (weakref to a Packed, slot, stream), FIFO
+        self._free = {}  # device -> slots (host size, event) not in use; an event records on one device only
         self._lock = threading.Lock()
 
-    def track(self, packed, payload_bytes: torch.Tensor) -> None:
-        """Trim ``packed.buffers["payload"]`` to ``payload_bytes`` (its encode's device size) once the GPU has
-        written it. Off CUDA, nothing: those runners finish before they return, and exist for tests."""
-        if payload_bytes.device.type != "cuda":
+    def track(self, packed, ends: torch.Tensor | None) -> None:
+        """Trim ``packed``'s payload (a :class:`OneBuffer` part) to ``ends[-1]``, the size its encode left on the
+        device, once the GPU has written it. Off the ops' device, nothing: the other runners finish before they
+        return, and exist for tests."""
+        device = packed.device
+        if ends is None or device.type != self.ops.device_type:
             return
-        stream = torch.cuda.current_stream(payload_bytes.device)
-        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        host.copy_(payload_bytes, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        self.queue(packed, done, host, stream)
-
-    def queue(self, packed, done, host: torch.Tensor, stream) -> None:
-        """Trim ``packed``'s payload to ``int(host)`` bytes once ``done.query()`` (made on ``stream``, or on the
-        current stream when None)."""
         with self._lock:
-            self._pending.append((weakref.ref(packed), done, host, stream))
+            free = self._free.get(device)
+            slot = free.pop() if free else None
+        if slot is None:
+            slots = self.ops.new_slots(device, self.SLOTS_PER_ALLOCATION)
+            slot = slots.pop()
+            with self._lock:
+                self._free.setdefault(device, []).extend(slots)
+        host, done = slot
+        stream = self.ops.current_stream(device)
+        host.copy_(ends[-1:], non_blocking=True)
+        done.record(stream)
+        with self._lock:
+            self._pending.append((weakref.ref(packed), slot, stream, device))
 
     def poll(self) -> None:
         """Trim every tracked payload whose size has arrived, oldest first; never waits."""
-        while True:
+        while self._pending:
             with self._lock:
-                if not self._pending or not self._pending[0][1].query():
+                if not self._pending or not self._pending[0][1][1].query():
                     return
-                ref, _, host, stream = self._pending.popleft()
+                ref, (host, done), stream, device = self._pending.popleft()
+                size = int(host)  # arrived: the event follows the copy
+                self._free[device].append((host, done))
             packed = ref()
             if packed is None:  # decoded and released before the trim
                 continue
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                packed.buffers["payload"] = packed.buffers["payload"][:int(host)].clone()
+            buffers = packed.buffers
+            layout = trimmed_layout(buffers.layout, size)
+            with self.ops.use(stream):  # the copy is ordered after the encode, on its stream
+                packed.buffers = OneBuffer(buffers.data[:layout.total].clone(), layout)
 
     def __len__(self) -> int:
         return len(self._pending)
