@@ -17,7 +17,7 @@ CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on t
   8, as ``bench_host_overhead.py`` measures with no-op kernels on CPU): the figure that CPU proxy stands for.
 
 Without CUDA, ``--cpu`` runs the same checks where they have a CPU stand-in (the kernels through the emulator,
-``tests/cuda_emulation``; the torch path for the training steps), which is how CI keeps this script working; the
+``tests/cuda_emulation``, importable with ``PYTHONPATH=.``; the torch path for the training steps), which is how CI keeps this script working; the
 rest say "skipped". Writes a markdown table (``--out``, default ``benchmarks/results/gpu_checks.md`` on CUDA) and
 exits 1 when a check failed, 2 without CUDA and without ``--cpu``.
 
@@ -40,7 +40,6 @@ from lightning_act.cuda.launcher import use_runner
 from models import machine, publish
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 NO_CUDA_EXIT = 2
 CODECS = {
     **{f"quantize {b}-bit": ("quantize", {"bits": b}) for b in (1, 2, 4, 8)},
@@ -120,8 +119,11 @@ class Checks:
             act.cuda.require_cupy()
             yield
             return
-        sys.path.insert(0, str(ROOT))
-        from tests.cuda_emulation.emulator import EmulatorRunner
+        try:
+            from tests.cuda_emulation.emulator import EmulatorRunner
+        except ImportError as error:
+            raise ImportError("--cpu runs the kernels through the test suite's emulator: run from the repository root "
+                              "with PYTHONPATH=. (pytest does that itself)") from error
 
         with use_runner(EmulatorRunner()):
             yield
