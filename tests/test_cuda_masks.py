@@ -2,7 +2,7 @@
 emulation harness, against the torch path of the same codecs, bit for bit: the stored bytes, the scale, and the
 decoded tensors viewed as integers (NaN payloads included), for every dtype the codecs take, odd sizes, views at
 odd offsets and non-contiguous inputs; then the launch and allocation counts of the codecs' kernel path."""
-import types
+import itertools
 
 import numpy as np
 import pytest
@@ -21,6 +21,7 @@ from lightning_act.formats._bitpack import pack_bits, unpack_bits
 from tests.cuda_emulation.checks import DTYPES, assert_refused_before_launch, assert_same_bits
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
 from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups, nan_tensor
+from tests.test_cuda_quantize import _tensor_on
 
 # the codecs as the engine builds them: the dropout rule's scaled_mask skips the verification
 CODECS = {
@@ -362,24 +363,22 @@ def test_kernel_path_plans_are_built_once_per_size(codec):
 
 # ---- backend choice and the codecs' signatures ----
 
-def _tensor_on(device: str, dtype: torch.dtype):
-    """Stands in for a tensor: the backend choice looks only at its device and dtype."""
-    return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"), dtype=dtype)
-
-
 @pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("backend, device, cupy_importable, expected", [
-    ("torch", "cuda:0", True, False),
-    ("auto", "cpu", True, False),
-    ("auto", "cuda:0", False, False),
-    ("auto", "cuda:0", True, True),
-    ("cupy", "cuda:0", True, True),
-])
-def test_backend_choice(monkeypatch, codec, backend, device, cupy_importable, expected):
+@pytest.mark.parametrize("backend, device, cupy_importable", itertools.product(
+    ["torch", "auto", "cupy"], ["cpu", "cuda:0"], [False, True]))
+def test_backend_choice_is_quantizes(monkeypatch, codec, backend, device, cupy_importable):
+    """The mask codecs choose kernels or torch exactly as quantize does (tests/test_cuda_quantize.py spells the
+    rule out), for every dtype they take."""
     monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: cupy_importable)
     monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: None)
+    quantize = act.codecs.get("quantize", backend=backend)
     for dtype in _dtypes(codec):
-        assert _codec(codec, backend).runs_kernels(_tensor_on(device, dtype)) is expected
+        t = _tensor_on(device, dtype)
+        if backend == "cupy" and device == "cpu":
+            with pytest.raises(ValueError, match=r"backend='cupy' runs on CUDA tensors; got a tensor on cpu"):
+                _codec(codec, backend).runs_kernels(t)
+        else:
+            assert _codec(codec, backend).runs_kernels(t) is quantize.runs_kernels(_tensor_on(device, torch.float32))
 
 
 def test_constructors_keep_their_signatures_and_default_to_auto():
