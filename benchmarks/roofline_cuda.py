@@ -194,8 +194,8 @@ def main() -> None:
   amortise per-chunk work; none is done yet.
 - **Masks** do a few instructions an element (5-7), far below the issue bound at any dtype: memory-bound by
   design, bool included (1.125 bytes an element). Their element-wide loads and stores (one per lane and element)
-  stay under the load/store units' rate (one warp instruction a clock per SM: 7.4 G warp accesses/s here, against
-  2.7 G elements/s of bool at full bandwidth). One reservation: a bool encode keeps 8 bytes in flight a thread,
+  stay under the load/store units' rate (one warp instruction a clock per SM: 232 G warp accesses/s, 7.4 T
+  elements/s here, against 2.7 T elements/s of bool at full bandwidth). One reservation: a bool encode keeps 8 bytes in flight a thread,
   16 KiB an SM at 2048 threads, about what HBM's latency asks for (~18 KiB an SM at 3.35 TB/s and ~700 ns), so
   it may fall short of the streaming efficiency; a float32 one keeps 64 KiB in flight.
 - **Decoders** of 16-bit outputs pay the exact float -> half / bfloat16 rounding in software (6 to 14
