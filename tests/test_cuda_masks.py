@@ -3,6 +3,7 @@ emulation harness, against the torch path of the same codecs, bit for bit: the s
 decoded tensors viewed as integers (NaN payloads included), for every dtype the codecs take, odd sizes, views at
 odd offsets and non-contiguous inputs; then the launch and allocation counts of the codecs' kernel path."""
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -20,8 +21,7 @@ from lightning_act.cuda.masks import mask_decode_cuda, mask_encode_cuda
 from lightning_act.formats._bitpack import pack_bits, unpack_bits
 from tests.cuda_emulation.checks import DTYPES, assert_refused_before_launch, assert_same_bits
 from tests.cuda_emulation.emulator import EmulatorRunner, requires_gxx
-from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_payload_groups, nan_tensor
-from tests.test_cuda_quantize import _tensor_on
+from tests.cuda_emulation.nan_payloads import INT_VIEW, nan_tensor
 
 # the codecs as the engine builds them: the dropout rule's scaled_mask skips the verification
 CODECS = {
@@ -246,27 +246,6 @@ def test_sizes_past_32_bits_are_packed_as_64_bit_arguments():
     assert isinstance(plan.args[0], np.int64)
 
 
-def check_masks(runner, dtype: torch.dtype):
-    """Both mask kernels on one input of ``dtype`` (a float dtype with NaNs of every encoding, or bool), against the
-    torch path: what tests/test_cuda_kernel_inventory.py runs for masks.cu (``KERNEL_INPUTS``)."""
-    if dtype == torch.bool:
-        check_codec(runner, "bitmask", _input("bitmask", (1000,), dtype))
-        return
-    x = torch.cat([_input("positive_mask", (900,), dtype), nan_payload_groups(dtype, 32)])
-    check_codec(runner, "positive_mask", x)
-    x = torch.cat([_input("scaled_mask", (900,), dtype), nan_payload_groups(dtype, 32)])
-    check_codec(runner, "scaled_mask unchecked", x)
-
-
-@pytest.mark.parametrize("dtype", [*DTYPES, torch.bool], ids=str)
-@pytest.mark.toolchain
-@requires_gxx
-def test_inventory_check_launches_both_kernels(dtype):
-    runner = EmulatorRunner()
-    check_masks(runner, dtype)
-    assert {launch[1] for launch in runner.launches} == {"mask_encode", "mask_decode"}
-
-
 # ---- launches, allocations and host work of the codecs' kernel path ----
 
 class _Ops(TorchDispatchMode):
@@ -362,6 +341,11 @@ def test_kernel_path_plans_are_built_once_per_size(codec):
 
 
 # ---- backend choice and the codecs' signatures ----
+
+def _tensor_on(device: str, dtype: torch.dtype):
+    """Stands in for a tensor: the backend choice looks only at its device and dtype."""
+    return types.SimpleNamespace(device=torch.device(device), is_cuda=device.startswith("cuda"), dtype=dtype)
+
 
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("backend, device, cupy_importable", itertools.product(
