@@ -49,6 +49,15 @@ INSTRUCTIONS = {
         for d in DTYPE_BYTES},
     "division_decode": {d: 0.25 + 2 + 1 + 2 + 1 + 4 + 1 + STORE[d] for d in DTYPE_BYTES},  # + lfc, walk, FADD
 }
+# masks.cu, whole tiles (a warp, 8 elements a lane): encode per element a load, the flag test on the raw bits (2, a
+# 64-bit one 3; bytes 1) and a ballot; per tile the address and loop arithmetic and lane 0's two 16-byte stores
+# (~16 / 8 elements). Decode per element the bit test, the select (float64: 2) and the store; per tile two
+# broadcast 16-byte loads and the loop (~10 / 8 elements).
+MASK_DTYPE_BYTES = {**DTYPE_BYTES, "bool": 1}
+MASK_INSTRUCTIONS = {
+    "mask_encode": {d: 1 + {"float64": 3, "bool": 1}.get(d, 2) + 1 + 2 for d in MASK_DTYPE_BYTES},
+    "mask_decode": {d: 1 + (2 if d == "float64" else 1) + 1 + 1.25 for d in MASK_DTYPE_BYTES},
+}
 
 DESIGN = """\
 ## The kernels by design
@@ -59,6 +68,8 @@ DESIGN = """\
 | `quantize_decode` | as encode | 2 chunks of 8 | payload and stats read once, output written once | none | 51 |
 | `division_encode` | min(planes, (1024 / threads) x SMs) blocks of 32 to 256 threads (one per 8 elements of a plane) | one chunk of 8 per phase | x read once (plane staged in shared memory when <= 12288 elements); lfc, payload, stats written once | plane x 4 bytes (<= 48 KiB) | 64 (`__launch_bounds__(256, 4)`) |
 | `division_decode` | as encode | one chunk of 8 | payload, lfc, stats read once; output written once | none | 48 |
+| `mask_encode` | min(tiles / 8, 8 x SMs) blocks of 256 threads (fewer warps below 8 tiles of 256 elements) | 8 elements a tile (one per ballot), element 32k + lane | x read once; payload written once (lane 0: two 16-byte stores a tile) | none | 32 (`__launch_bounds__(256, 8)`) |
+| `mask_decode` | as encode | 8 elements a tile | payload read once (two 16-byte broadcast loads a tile); output written once | none | 32 |
 
 - **16-byte accesses.** A thread's chunk is 8 consecutive elements: float32 two 16-byte loads (stores), 16-bit
   one, float64 four (`common.cuh` `load_chunk` / `store_chunk`). The kernel checks the address
@@ -87,6 +98,13 @@ DESIGN = """\
   Chunks of 8 elements shared by two planes (plane sizes not a multiple of 8) are written by each plane's block
   with a masked compare-and-swap (no ordering between blocks needed). lorenzo: not covered here (reworked
   separately; see its own notes).
+- **Masks** (`bitmask`, `positive_mask`, `scaled_mask`): a warp handles 256 consecutive elements a tile, lane l
+  the elements 32k + l (each of its 8 loads a coalesced warp-wide access, all in flight before the first vote),
+  and `__ballot_sync` makes each row of 32 flags one little-endian payload word. The flags are tests on the raw
+  bits (no float conversion). Decode mirrors it: the tile's 32 payload bytes read by every lane at one address
+  (a broadcast), element 32k + l written by lane l. The last tile and payloads not 16-byte aligned take a
+  checked path (lane k: word k, or its bytes). One launch a direction; `scaled_mask` adds torch's `amax` before
+  its encode (one more read of x: 2 x dtype + 1/8 bytes an element for that encode).
 """
 
 
@@ -155,6 +173,11 @@ def main() -> None:
                 read, written = ((DTYPE_BYTES[dtype], compressed) if kernel.endswith("encode")
                                  else (compressed, DTYPE_BYTES[dtype]))
                 lines.append(row(kernel, dtype, bits, nbytes, INSTRUCTIONS[kernel][dtype], read, written))
+    lines += ["", "## masks (1 bit per element; decode writes 0/1 or the device scale)", "", header, rule]
+    for kernel in ("mask_encode", "mask_decode"):
+        for dtype, size in MASK_DTYPE_BYTES.items():
+            read, written = (size, 1 / 8) if kernel == "mask_encode" else (1 / 8, size)
+            lines.append(row(kernel, dtype, 1, size + 1 / 8, MASK_INSTRUCTIONS[kernel][dtype], read, written))
     lines += ["", """\
 ## Reading the table
 
@@ -169,6 +192,12 @@ def main() -> None:
   What would lift them: hardware conversions (`cvt.f32.f16`, proven equal on the emulator only through a
   software twin), a cheaper order-preserving min/max (`redux.sync` on integer keys), or 16 elements a thread to
   amortise per-chunk work; none is done yet.
+- **Masks** do a few instructions an element (5-7), far below the issue bound at any dtype: memory-bound by
+  design, bool included (1.125 bytes an element). Their element-wide loads and stores (one per lane and element)
+  stay under the load/store units' rate (one warp instruction a clock per SM: 232 G warp accesses/s, 7.4 T
+  elements/s here, against 2.7 T elements/s of bool at full bandwidth). One reservation: a bool encode keeps 8 bytes in flight a thread,
+  16 KiB an SM at 2048 threads, about what HBM's latency asks for (~18 KiB an SM at 3.35 TB/s and ~700 ns), so
+  it may fall short of the streaming efficiency; a float32 one keeps 64 KiB in flight.
 - **Decoders** of 16-bit outputs pay the exact float -> half / bfloat16 rounding in software (6 to 14
   instructions an element); bfloat16 stays memory-bound, float16 is close to the issue bound.
 - **Unmeasured.** These figures are the design's expectation. The measured numbers (issue 20: quantize 4-bit

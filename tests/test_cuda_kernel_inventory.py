@@ -10,7 +10,10 @@ import torch
 
 import lightning_act.cuda
 from lightning_act.cuda.lorenzo import KERNEL_DTYPES
-from tests.cuda_emulation.checks import DTYPES, check_division, check_lorenzo, check_quantize, lorenzo_data
+from lightning_act.cuda.masks import mask_decode_cuda, mask_encode_cuda
+from lightning_act.formats._bitpack import pack_bits, unpack_bits
+from tests.cuda_emulation.checks import (DTYPES, assert_same_bits, check_division, check_lorenzo, check_quantize,
+                                        lorenzo_data)
 from tests.cuda_emulation.emulator import EmulatorRunner, kernel_names, requires_gxx
 from tests.cuda_emulation.nan_payloads import nan_payload_groups
 
@@ -36,13 +39,31 @@ def _lorenzo_with_escapes(runner, dtype):
     check_lorenzo(runner, x, 1e-2)
 
 
+def _masks(runner, dtype):
+    """x != 0 and x > 0 of 900 random values and NaNs of every encoding (bool: a random mask), decoded as 0/1 and
+    as 0/scale."""
+    if dtype == torch.bool:
+        x = torch.rand(1000) < 0.5
+    else:
+        x = torch.cat([torch.randn(900).to(dtype), nan_payload_groups(dtype, 32)])
+    for positive in (False,) if dtype == torch.bool else (False, True):
+        assert_same_bits(mask_encode_cuda(x, positive, runner=runner), pack_bits(x.gt(0) if positive else x.bool()))
+    bits, scale = pack_bits(x.bool()), torch.full((), 3, dtype=dtype)
+    flags = unpack_bits(bits, x.numel())
+    assert_same_bits(mask_decode_cuda(bits, x.numel(), dtype, runner=runner), flags.to(dtype))
+    assert_same_bits(mask_decode_cuda(bits, x.numel(), dtype, scale, runner=runner),
+                     torch.where(flags, scale, torch.zeros((), dtype=dtype)))
+
+
 KERNEL_INPUTS = {
     "quantize.cu": {"quantize_encode": _quantize, "quantize_decode": _quantize},
     "division.cu": {"division_encode": _division, "division_decode": _division},
     "lorenzo.cu": {"lorenzo_header": _lorenzo_with_escapes, "lorenzo_payload": _lorenzo_with_escapes,
                    "lorenzo_sizes": _lorenzo_with_escapes, "lorenzo_decode": _lorenzo_with_escapes},
+    "masks.cu": {"mask_encode": _masks, "mask_decode": _masks},
 }
-SOURCE_DTYPES = {"quantize.cu": DTYPES, "division.cu": DTYPES, "lorenzo.cu": KERNEL_DTYPES}
+SOURCE_DTYPES = {"quantize.cu": DTYPES, "division.cu": DTYPES, "lorenzo.cu": KERNEL_DTYPES,
+                 "masks.cu": [*DTYPES, torch.bool]}
 
 
 def test_every_kernel_is_listed():

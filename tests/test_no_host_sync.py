@@ -159,3 +159,55 @@ def test_lorenzo_trim_queue_never_reads_a_device_value_on_the_host(runner, monke
         event.done = True
     trims.poll()
     assert len(trims) == 0 and packed.nbytes < reserved
+
+
+# ---- the 1-bit mask codecs (bitmask, positive_mask, scaled_mask as the dropout rule builds it) ----
+
+def _dropout_rule_codec(noise: torch.Tensor):
+    """The codec the engine's rule picks for CPU dropout's float noise (no verification)."""
+    from lightning_act.codecs import op_rules
+
+    return op_rules.codec_for_call(op_rules.FunctionCall(torch.nn.functional.dropout, (noise,), {}), noise)
+
+
+MASK_CODECS = {  # name -> (the codec under test given its input, its torch-path twin, the input from _data)
+    "bitmask": (lambda x: act.codecs.get("bitmask", backend="cupy"), lambda: act.codecs.get("bitmask", backend="torch"),
+                lambda x: x > 0),
+    "positive_mask": (lambda x: act.codecs.get("positive_mask", backend="cupy"),
+                      lambda: act.codecs.get("positive_mask", backend="torch"), lambda x: x),
+    "dropout rule": (_dropout_rule_codec, lambda: act.codecs.get("scaled_mask", check=False, backend="torch"),
+                     lambda x: (x > 0).to(x.dtype) * torch.tensor(1 / 0.9, dtype=x.dtype)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("codec", list(MASK_CODECS))
+@pytest.mark.toolchain
+@requires_gxx
+def test_mask_codec_cuda_paths_never_read_a_device_value_on_the_host(runner, codec, dtype):
+    """Encode, the stored size and decode of the mask codecs' kernel path (emulated; the dropout rule's codec with
+    its default backend, "auto") under the guard; the decode equals the torch path's bit for bit."""
+    build, reference, make = MASK_CODECS[codec]
+    x = make(_data(dtype))
+    runner.launches.clear()
+    with use_runner(runner), no_host_reads():
+        kernels = build(x)
+        packed = kernels.encode(x, key=5)
+        nbytes = packed.nbytes
+        decoded = kernels.decode(packed)
+    assert [launch[1] for launch in runner.launches] == ["mask_encode", "mask_decode"]
+    assert nbytes == sum(b.numel() * b.element_size() for b in packed.buffers.values()) > 0
+    assert_same_bits(decoded, reference().decode(reference().encode(x, key=5)))
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_checked_scaled_mask_reads_its_verdict_on_the_host(runner):
+    """The guard sees the mask path's host reads where there are some: scaled_mask with check=True (the default,
+    used where a tensor's values are not known beforehand) reads its verification's result, by design; here an
+    additive 0/-inf mask, whose maximum is not its value, so the codec looks for its first non-zero element.
+    (Its first verdict, ``torch.equal``, returns a host bool without ``_local_scalar_dense`` on CPU, which the
+    guard does not see; on CUDA it waits for the device too.)"""
+    additive = torch.where(_data(torch.float32) > 0, float("-inf"), 0.0)
+    with use_runner(runner), pytest.raises(HostReadError), no_host_reads():
+        act.codecs.get("scaled_mask", backend="cupy").encode(additive)

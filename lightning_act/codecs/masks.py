@@ -16,6 +16,9 @@ saves is stored twice: 1 bit for the ReLU, the values for the layer.
 - ``scaled_mask``: a tensor whose non-zeros all equal one value ``s`` (CPU dropout saves its float noise,
   0 or ``1/(1-p)``) as 1 bit per element + ``s``; exact. CUDA dropout saves a bool mask: the engine's
   default ``bitmask`` codec takes it.
+- ``positive_mask`` and ``scaled_mask`` (and ``bitmask``) run one kernel per direction on CUDA (``backend`` "auto"
+  with CuPy, or "cupy": :mod:`lightning_act.cuda.masks`), the same bits as their torch path; ``scaled_mask`` takes
+  its value with one ``amax`` on the device, never read on the host unless ``check`` verifies it.
 - ``maxpool_index``: max-pool's int64 argmax (flat index in the input plane) as its offset inside its
   pooling window, ``ceil(log2(window))`` bit-planes of 1 bit per element; decoded back to the exact flat
   index from the pooling geometry. The pooled input itself goes to the default codec.
@@ -28,9 +31,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..cuda.masks import mask_decode_packed, mask_encode_packed
 from ..formats._bitpack import bit_rows, pack_bits, pack_codes_, packed_nbytes, unpack_bits, unpack_codes_, unpack_rows
 from . import op_rules, register
 from ._chunks import chunk_elements, pack_chunks, spans, unpack_chunks
+from .bitmask import OneBitCodec
 from .base import Codec, Packed
 
 FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -42,15 +47,16 @@ def _float_input(codec: str, x: torch.Tensor) -> None:
 
 
 @register
-class PositiveMaskCodec(Codec):
+class PositiveMaskCodec(OneBitCodec):
     """``x > 0`` at 1 bit per element, decoded as 1 where positive, else 0 (what ReLU's backward reads)."""
 
-    name = "positive_mask"
-    lossless = True  # for the sign pattern, all that ReLU's backward reads
+    name = "positive_mask"  # lossless for the sign pattern, all that ReLU's backward reads
     dtypes = FLOATING
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
+        if self.runs_kernels(x):
+            return Packed(self.name, x.shape, x.dtype, x.device, {"bits": mask_encode_packed(x.contiguous(), True)})
         flat = x.reshape(-1)
         n = flat.numel()
         if n <= chunk_elements(x.device):
@@ -62,41 +68,43 @@ class PositiveMaskCodec(Codec):
 
     def decode(self, packed: Packed) -> torch.Tensor:
         n, bits = packed.numel, packed.buffers["bits"]
+        if self.runs_kernels(bits, packed.dtype):
+            return mask_decode_packed(bits, packed.shape, packed.dtype)
         if n <= chunk_elements(packed.device):
             return unpack_bits(bits, n, packed.shape, packed.dtype)
         out = torch.empty(n, dtype=packed.dtype, device=packed.device)
         unpack_chunks(bits, n, lambda start, end, codes: out[start:end].copy_(codes))
         return out.view(packed.shape)
 
-    def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
-        return 1.0
-
 
 @register
-class ScaledMaskCodec(Codec):
+class ScaledMaskCodec(OneBitCodec):
     """A tensor whose non-zero elements all equal one value (dropout noise, an additive 0/-inf mask) as 1 bit
     per element + that value. ``strict=False``: a tensor of several values is stored as it is (raw) instead of
     raising, for op rules that cannot tell beforehand (what SDPA saves besides q, k, v). ``check=False``: no
     verification passes (and no host read of their result on CUDA), for callers that know it by construction:
-    the engine's dropout rule, whose noise is 0 or ``1/(1-p)``."""
+    the engine's dropout rule, whose noise is 0 or ``1/(1-p)``. On the kernel path, ``check=False`` encodes in two
+    launches (the ``amax`` and the mask) and decodes in one."""
 
     name = "scaled_mask"
-    lossless = True
     dtypes = FLOATING
 
-    def __init__(self, strict: bool = True, check: bool = True):
+    def __init__(self, strict: bool = True, check: bool = True, backend: str = "auto"):
         for name, value in (("strict", strict), ("check", check)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}; expected True or False")
+        super().__init__(backend)
         self.strict, self.check = strict, check
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         _float_input(self.name, x)
-        flat = x.reshape(-1)
+        kernels = self.runs_kernels(x)
+        # the kernel reads x in memory order, where the maximum of all elements needs no flat view
+        flat = x.contiguous() if kernels else x.reshape(-1)
         n = flat.numel()
         # dropout noise (0 or 1/(1-p)): the value is the maximum, one reduction; else the first non-zero element
         scale = flat.amax() if n else flat.new_zeros(())
-        if self.check and not _holds_one_value(flat, scale):
+        if self.check and not _holds_one_value(flat := flat.view(-1), scale):
             first = _first_nonzero(flat)  # None: all zeros, which any scale holds
             if first is not None:
                 scale = first
@@ -105,7 +113,9 @@ class ScaledMaskCodec(Codec):
                         return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.contiguous()})
                     raise ValueError(f"scaled_mask codec takes tensors whose non-zero elements all equal one "
                                      f"value; got a tensor of shape {list(x.shape)} with several non-zero values")
-        if n <= chunk_elements(x.device):
+        if kernels:
+            bits = mask_encode_packed(flat)  # x != 0 (NaN is non-zero)
+        elif n <= chunk_elements(x.device):
             bits = pack_bits(flat.bool())  # x != 0 (NaN is non-zero), several times faster than ne(0) on CPU
         else:
             bits = pack_chunks(n, x.device, lambda start, end, codes: codes.view(torch.bool).copy_(flat[start:end]))
@@ -116,6 +126,8 @@ class ScaledMaskCodec(Codec):
         if "raw" in buffers:
             return buffers["raw"].view(packed.shape)
         scale = buffers["scale"]
+        if self.runs_kernels(buffers["bits"], packed.dtype):
+            return mask_decode_packed(buffers["bits"], packed.shape, packed.dtype, scale)
         if n <= chunk_elements(packed.device):
             # the bit table's 0/1 as 0/scale (2048 elements), then one gather: no pass over a bool tensor of n
             return unpack_rows(buffers["bits"], n, packed.shape, torch.where(bit_rows(packed.device), scale, 0.0))
