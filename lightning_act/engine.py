@@ -8,7 +8,9 @@ and records the step's statistics.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import inspect
 import threading
 from typing import Callable, ContextManager, Iterator, NamedTuple, Protocol
 
@@ -80,6 +82,12 @@ def _derives_from_leaf(t: torch.Tensor) -> bool:
             return False
         fn = inputs[0]
     return False
+
+
+@functools.cache
+def _takes_backend(cls: type) -> bool:
+    """Whether codec class ``cls`` is built with a ``backend`` (it has kernels to run or not)."""
+    return "backend" in inspect.signature(cls).parameters
 
 
 def _parameters_and_buffers(model: nn.Module) -> list[torch.Tensor]:
@@ -292,6 +300,7 @@ class ActivationCompressor:
         self.model = model
         self.config = resolve_config(config)
         self._codecs: dict[tuple[str, int | None], Codec] = {}
+        self._rule_codecs: dict[int, tuple[Codec, Codec]] = {}  # id -> (op rule's codec, on the config's backend)
         # Installed policies (install_policy), oldest first; _policies: each slot's value from the newest of them.
         self._policy_handles: list[PolicyHandle] = []
         self._policies: dict[str, Callable | None] = dict.fromkeys(POLICY_SLOTS)
@@ -461,10 +470,24 @@ class ActivationCompressor:
         codec = self._codecs.get(key)
         if codec is None:
             options = self.config.codec_kwargs() if name == self.config.codec else {}
+            if name != self.config.codec and _takes_backend(codecs.codec_class(name)):
+                options["backend"] = self.config.backend  # the lossless codecs' kernels follow the config too
             if bits is not None:
                 options["bits"] = bits
             codec = self._codecs[key] = codecs.get(name, **options)
         return codec
+
+    def _on_config_backend(self, codec: Codec) -> Codec:
+        """``codec`` (an op rule's choice: the rules hand out shared instances) on this compressor's ``backend``,
+        when it is a codec with kernels to choose about."""
+        if not _takes_backend(type(codec)):
+            return codec
+        found = self._rule_codecs.get(id(codec))
+        if found is None:  # the original is kept beside its variant, so its id is never reused
+            variant = copy.copy(codec)
+            variant.backend, variant._routes = self.config.backend, None
+            found = self._rule_codecs[id(codec)] = (codec, variant)
+        return found[1]
 
     @staticmethod
     def _record(step, index, t, kind, codec, bits, original, stored, reason="", offloaded=False,
@@ -587,6 +610,8 @@ class ActivationCompressor:
             rule = op_rules.OP_RULES.get(call.func) if call is not None else None
             if rule is not None:
                 codec = rule(t, call)
+                if codec is not None and codec.backend != config.backend:
+                    codec = self._on_config_backend(codec)
         dtype = t.dtype
         if codec is None:
             if dtype is torch.bool:

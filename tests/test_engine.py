@@ -364,3 +364,26 @@ def test_a_storage_stored_under_two_codecs_counts_once_in_original_bytes():
         loss.backward()
         originals[level] = compressor.stats().original_bytes
     assert originals["4-bit"] == originals["L0"] > 0
+
+
+@pytest.mark.parametrize("backend, kernels", [("torch", set()), ("cupy", {"quantize_encode", "mask_encode"})])
+def test_the_configured_backend_reaches_the_lossless_codecs(backend, kernels):
+    """ACTConfig(backend=...) holds for every codec the compressor builds or an op rule picks: with "torch" no
+    kernel runs, masks included (the rules' shared codecs default to "auto"); with "cupy" the quantized
+    activations and the ReLU / dropout masks go to the kernels."""
+    from lightning_act.cuda.launcher import use_runner
+    from tests.host_path import RecordingRunner
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    runner = RecordingRunner()
+    with use_runner(runner):
+        compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False, backend=backend,
+                                                                   min_numel=1))
+        with compressor.compress():
+            loss = model(x).square().mean()
+        loss.backward()
+    assert set(runner.kernels) & {"quantize_encode", "mask_encode"} == kernels
+    codecs_used = {r.codec for r in compressor.stats().records if r.kind == COMPRESSED}
+    assert {"quantize", "positive_mask"} <= codecs_used
