@@ -294,6 +294,23 @@ def test_sdpa_float_mask_of_several_values_is_kept_exactly():
         assert F.cosine_similarity(g.flatten(), e.flatten(), dim=0) > 0.99
 
 
+def test_sdpa_scores_shaped_tensors_off_cpu_are_kept_raw_without_a_host_read():
+    """Off CPU (CUDA's math fallback) the one-value check would wait for the device: a scores-shaped tensor SDPA
+    saves is kept as it is there (exact, no check); on CPU it goes to the checked 1-bit codec; tensors of other
+    shapes keep the default codec everywhere."""
+    from lightning_act.codecs import op_rules
+
+    def rule(device):
+        q, k = (torch.empty(2, 4, 16, 8, device=device) for _ in range(2))
+        call = op_rules.FunctionCall(F.scaled_dot_product_attention, (q, k, k), {})
+        scores, lse = torch.empty(2, 4, 16, 16, device=device), torch.empty(2, 4, 16, device=device)
+        return op_rules.codec_for_call(call, scores), op_rules.codec_for_call(call, lse)
+
+    (on_cpu, cpu_lse), (off_cpu, meta_lse) = rule("cpu"), rule("meta")
+    assert (on_cpu.name, on_cpu.check, on_cpu.strict) == ("scaled_mask", True, False)
+    assert off_cpu.name == "none" and cpu_lse is None and meta_lse is None
+
+
 def test_scaled_mask_not_strict_keeps_several_values_raw():
     codec = act.codecs.get("scaled_mask", strict=False)
     x = torch.tensor([0.0, 2.0, 3.0, float("-inf")])

@@ -36,6 +36,7 @@ from ..formats._bitpack import bit_rows, pack_bits, pack_codes_, packed_nbytes, 
 from . import op_rules, register
 from ._chunks import chunk_elements, pack_chunks, spans, unpack_chunks
 from .bitmask import OneBitCodec
+from .passthrough import PassthroughCodec
 from .base import Codec, Packed
 
 FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -333,6 +334,7 @@ class MaxPoolIndexCodec(Codec):
 _POSITIVE_MASK = PositiveMaskCodec()
 _DROPOUT_NOISE = ScaledMaskCodec(check=False)
 _ONE_VALUE_OR_RAW = ScaledMaskCodec(strict=False)
+_KEPT_RAW = PassthroughCodec()
 _POOL_ARGS = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
 _POOL_DIMS = {
     F.max_pool1d: 1, F.max_pool1d_with_indices: 1, torch.max_pool1d: 1, torch.max_pool1d_with_indices: 1,
@@ -383,7 +385,11 @@ def _sdpa_rule(t: torch.Tensor, call) -> Codec | None:
     if not (torch.is_tensor(query) and torch.is_tensor(key)):
         return None
     scores_shaped = t.shape[-1] == key.shape[-2] and t.shape[-2] in (1, query.shape[-2])
-    return _ONE_VALUE_OR_RAW if scores_shaped else None
+    if not scores_shaped:
+        return None
+    # the one-value check's verdict is a host read: off CPU it would make the host wait for the device for each
+    # such tensor (CUDA's math fallback), so there the tensor is kept as it is, exact
+    return _ONE_VALUE_OR_RAW if t.device.type == "cpu" else _KEPT_RAW
 
 
 op_rules.register_op_rule((F.scaled_dot_product_attention,), _sdpa_rule)
