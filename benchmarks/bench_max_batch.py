@@ -47,6 +47,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import multiprocessing.connection  # noqa: E402
+import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -325,8 +326,8 @@ def main(argv=None) -> None:
         peer = next((b for b in rows if b["model"] == r["model"] and b["config"] == "torch checkpoint"), None)
         if peer is not None:
             r["batch_vs_checkpoint"] = r["batch"] / max(peer["batch"], 1)
-    command = "python benchmarks/bench_max_batch.py" + "".join(f" {a}" for a in (argv if argv is not None
-                                                                                 else sys.argv[1:]))
+    command = "python benchmarks/bench_max_batch.py" + "".join(
+        f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:]))
     text = report(rows, command)
     models.publish(text, args.out)
     if args.out:
