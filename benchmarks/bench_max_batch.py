@@ -7,9 +7,9 @@ measure the memory-budget planner plans with and ``tests/test_memory_budget.py``
 its start (the same measure around the step, gradients freed before it: they are allocated inside it), under
 ``compress()`` when compressed. On CPU that is ``torch.profiler``'s allocator events; the interpreter, the
 libraries and the allocator's caching are not counted. Nothing kills the child at the budget: a batch fits when
-its measured peak is at or below it. Beside it, at the batch found, the resident set's peak of the same trial
-(``peak_memory.py``: VmHWM above the level before the build, glibc's mmap threshold pinned), for reference: on
-CPU the resident set of a first step runs about 10% above the allocator's peak.
+its measured peak is at or below it. (The resident set is not used: in a child that has already run profiled
+trials, freed heap pages are reused without growing it, so a step's resident-set growth read low for compressed
+configurations, whose codecs allocate many small buffers: 135-190 MiB for BERT steps of 254 MiB allocated.)
 
 The configurations are ``bench_gpu.py``'s (``bench_gpu.METHODS``, fp32 here, no autocast), side by side:
 
@@ -36,29 +36,23 @@ run at once (memory is per process).
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # pin glibc's mmap threshold before torch allocates anything (re-executes once)
-    from peak_memory import ensure_fixed_mmap_threshold
+import argparse
+import gc
+import json
+import math
+import multiprocessing
+import multiprocessing.connection
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-    ensure_fixed_mmap_threshold()
+import torch
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import multiprocessing  # noqa: E402
-import multiprocessing.connection  # noqa: E402
-import shlex  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-import models  # noqa: E402
-from lightning_act.profiling import measure_step_memory  # noqa: E402
-from bench_gpu import METHODS, Method, Prepared, carry_allocation  # noqa: E402
-from peak_memory import peak_step_bytes, reset_peak, resident_bytes  # noqa: E402
+import models
+from bench_gpu import METHODS, Method, Prepared, carry_allocation
+from lightning_act.profiling import measure_step_memory
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -128,28 +122,6 @@ def trial_peak(build, config, batch: int) -> int:
     return held + step
 
 
-def resident_peak(build, config, batch: int) -> int:
-    """The same trial's resident-set peak above the level before the build (the planner's passes left out:
-    the peak is reset after planning), for reference beside the allocator's."""
-    setup, made = setup_for(config), {}
-
-    def trial():
-        built = {}
-        # the build measured as trial_peak measures it, so the planner plans for the same budget
-        held = measure_step_memory(lambda: built.update(zip(("model", "loss_fn"), build(batch)))).end_bytes
-        model, loss_fn = built["model"], built["loss_fn"]
-        prepared = made["prepared"] = _prepare(setup, model, loss_fn, batch, held)
-        reset_peak()  # planning is not the step
-        prepared.forward_backward(loss_fn)
-
-    peak = peak_step_bytes(trial)
-    if "prepared" in made:
-        made["prepared"].close()
-    made.clear()
-    gc.collect()
-    return peak
-
-
 def estimate_allocation(build, setup: Setup, batch: int = L1_PROBE_BATCH) -> None:
     """L1: one auto-precision round at ``batch``; its allocation goes to every trial (carried to its batch)."""
     model, loss_fn = build(batch)
@@ -203,7 +175,7 @@ def _secant(peaks: dict, low: int, high: int, budget: int) -> float:
 
 
 def _child(connection, builder: str, options: dict, config, budget: int, max_batch: int, tolerance: float,
-           threads: int, resident: bool) -> None:
+           threads: int) -> None:
     try:
         torch.set_num_threads(threads)  # parallel children share the cores (OpenMP oversubscription is slow)
         build = lambda batch: getattr(models, builder)(batch, **options)  # noqa: E731
@@ -218,8 +190,6 @@ def _child(connection, builder: str, options: dict, config, budget: int, max_bat
         if batch in setup.plans:
             found["plan"], found["plan_met"] = setup.plans[batch]
             found["planning_peak_mib"] = setup.planning_peaks[batch] / MiB
-        if batch >= 1 and resident:
-            found["resident_mib"] = resident_peak(build, setup, batch) / MiB
         connection.send(found)
     finally:
         connection.close()
@@ -227,11 +197,11 @@ def _child(connection, builder: str, options: dict, config, budget: int, max_bat
 
 def search_in_children(jobs: list[dict], parallel: int = 1) -> list[dict]:
     """``largest_batch`` of each job (``builder`` in models.py, its ``options``, ``config``, ``budget`` bytes,
-    ``max_batch``, ``tolerance``; ``resident``: also the resident-set peak at the batch found), each in a fresh
-    child process, ``parallel`` at a time with a share of the torch threads each (memory is measured per process,
-    so they do not see each other's); adds the seconds each search took."""
+    ``max_batch``, ``tolerance``), each in a fresh child process, ``parallel`` at a time with a share of the
+    torch threads each (memory is measured per process, so they do not see each other's); adds the seconds each
+    search took."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["lightning_act", "models", "peak_memory", "bench_gpu", __name__])
+    context.set_forkserver_preload(["lightning_act", "models", "bench_gpu", __name__])
     results, running, pending = [None] * len(jobs), {}, list(enumerate(jobs))
     threads = max(1, torch.get_num_threads() // parallel)
     while pending or running:
@@ -240,7 +210,7 @@ def search_in_children(jobs: list[dict], parallel: int = 1) -> list[dict]:
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(target=_child, args=(sender, job["builder"], job["options"], job["config"],
                                                            job["budget"], job["max_batch"], job["tolerance"],
-                                                           threads, job.get("resident", False)))
+                                                           threads))
             process.start()
             sender.close()
             running[receiver] = (index, process, time.perf_counter())
@@ -260,9 +230,9 @@ def search_in_children(jobs: list[dict], parallel: int = 1) -> list[dict]:
 def report(rows: list[dict], command: str) -> str:
     """The side-by-side table (each batch against the baseline's and torch checkpointing's), then how each figure
     was measured."""
-    lines = ["| model | budget MiB | config | max batch | vs baseline | vs torch checkpoint | peak MiB | RSS MiB | "
-             "trials | search s | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | budget MiB | config | max batch | vs baseline | vs torch checkpoint | peak MiB | trials | "
+             "search s | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         notes = []
         if "allocated" in r:
@@ -275,26 +245,23 @@ def report(rows: list[dict], command: str) -> str:
             notes.append("plan: " + ", ".join(f"{n} {o}" for o, n in counts.items()) +
                          ("" if r["plan_met"] else " (planner: budget not met)") +
                          f"; planning peaked at {r['planning_peak_mib']:.0f} MiB")
-        peak, resident = r["peaks_mib"].get(r["batch"]), r.get("resident_mib")
+        peak = r["peaks_mib"].get(r["batch"])
         vs_checkpoint = r.get("batch_vs_checkpoint")
         lines.append(f"| {r['model']} {r['options']} | {r['budget_mib']} | {r['config']} | "
                      f"{r['batch']}{'+' if r['capped'] else ''} | {r['batch_ratio']:.2f}x | "
                      f"{'n/a' if vs_checkpoint is None else f'{vs_checkpoint:.2f}x'} | "
                      f"{'n/a' if peak is None else f'{peak:.1f}'} | "
-                     f"{'n/a' if resident is None else f'{resident:.1f}'} | "
                      f"{len(r['peaks_mib'])} | {r['seconds']:.0f} | {'; '.join(notes)} |")
     return "\n".join(lines) + (
         "\n\nA trial builds the model and its batch and trains one step (fp32, forward + backward); it fits when its "
         "allocator-measured peak (what building the model and batch left allocated plus the step's peak above its "
         "start, `lightning_act.profiling.measure_step_memory`: torch.profiler's allocator events on CPU, "
         "`max_memory_allocated` on a GPU) is at or below the budget; searches stop "
-        f"within {100 * rows[0]['tolerance']:.0f}%. peak MiB: that measure at the batch found; RSS MiB: the same "
-        "trial's resident-set peak above the child's level before it (reference only; not what the search decides "
-        f"on). L1: bits from one auto-precision round at batch {L1_PROBE_BATCH}, "
-        "carried to the trial's batch by pack order. memory budget: each trial plans for the budget less what the "
-        "built model and batch hold; the planner's passes are not in the trial's peak (their highest at the found "
-        "batch, plus the model and batch, is in the notes). CB1 and torch checkpoint: per ResNet bottleneck / per "
-        "HF layer.\n\n"
+        f"within {100 * rows[0]['tolerance']:.0f}%. peak MiB: that measure at the batch found. L1: bits from one "
+        f"auto-precision round at batch {L1_PROBE_BATCH}, carried to the trial's batch by pack order. memory "
+        "budget: each trial plans for the budget less what the built model and batch hold; the planner's passes "
+        "are not in the trial's peak (their highest at the found batch, plus the model and batch, is in the notes). "
+        "CB1 and torch checkpoint: per ResNet bottleneck / per HF layer.\n\n"
         f"Command: `{command}`; {models.machine()}.\n")
 
 
@@ -306,14 +273,11 @@ def main(argv=None) -> None:
     parser.add_argument("--max-batch", type=int, default=4096)
     parser.add_argument("--tolerance", type=float, default=0.03)
     parser.add_argument("--parallel", type=int, default=2, help="searches at a time")
-    parser.add_argument("--no-resident", action="store_true",
-                        help="skip the resident-set peak at the batch found (one more trial per search)")
     parser.add_argument("--out", type=Path, help="also write the markdown table here (and the rows as JSON beside)")
     args = parser.parse_args(argv)
     configs = ["baseline", *(c for c in args.configs if c != "baseline")]
     jobs = [{"model": model, "builder": MODELS[model][0], "options": MODELS[model][1], "config": name,
-             "budget": args.budget_mib * MiB, "max_batch": args.max_batch, "tolerance": args.tolerance,
-             "resident": not args.no_resident}
+             "budget": args.budget_mib * MiB, "max_batch": args.max_batch, "tolerance": args.tolerance}
             for model in args.models for name in configs]
     rows = []
     for job, found in zip(jobs, search_in_children(jobs, args.parallel)):

@@ -165,7 +165,8 @@ class PeakModel:
         self.units, self.segments = units, segments
         self._alive_in = {name: [i for i, s in enumerate(segments) if name in s.alive] for name in units}
         self._own = {name: [i for i, s in enumerate(segments) if s.unit == name] for name in units}
-        self.checkpoint_profiled = False
+        self.checkpoint_profiled = False  # the checkpointed pass was tried
+        self.checkpoint_usable = False  # ... and measured: the solver may checkpoint
 
     @classmethod
     def additive(cls, units: dict[str, UnitProfile], base_bytes: int, recompute_bytes: int = 0) -> "PeakModel":
@@ -175,7 +176,7 @@ class PeakModel:
         segments = [Segment("", everything, base_bytes)]
         segments += [Segment(f"b:{name}", everything, base_bytes, recompute_bytes) for name in units]
         model = cls(units, segments)
-        model.checkpoint_profiled = True
+        model.checkpoint_profiled = model.checkpoint_usable = True
         return model
 
     def _transient(self, segment: Segment, option: str) -> int:
@@ -330,7 +331,16 @@ class MemoryBudget:
             target = self.budget_bytes
             for attempt in range(MAX_REPLANS + 1):
                 if not model.checkpoint_profiled and model.peak(dict.fromkeys(model.units, "keep")) > target:
-                    self._profile_checkpoint(model, forward_backward_fn, rewind, device)
+                    try:
+                        self._profile_checkpoint(model, forward_backward_fn, rewind, device)
+                    except torch.OutOfMemoryError:  # the checkpointed pass did not fit the device
+                        for p in params:
+                            p.grad = None
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                        warnings.warn("lightning_act memory_budget: the profiling pass with every unit checkpointed "
+                                      "ran out of memory; planning without checkpointing", RuntimeWarning,
+                                      stacklevel=2)
                 plan = self._solve(model, target, byte_seconds, swap_seconds, device)
                 self.apply(plan.options)
                 rewind()
@@ -426,7 +436,7 @@ class MemoryBudget:
         params = [p for p in self.compressor.model.parameters() if p.requires_grad]
         profiles = model.units
         options = {n: "checkpoint" if u.checkpointable else PROFILE_OPTION for n, u in profiles.items()}
-        model.checkpoint_profiled = True
+        model.checkpoint_profiled = True  # tried once: after an out-of-memory error checkpointing stays off
         if "checkpoint" not in options.values():
             return
         self.apply(options)
@@ -449,6 +459,7 @@ class MemoryBudget:
                 continue
             stored = sum(profiles[n].stored_bytes(options[n]) for n in segment.alive)
             segment.checkpoint_bytes = max(peaks[segment.label] - stored - segment.base_bytes, 0)
+        model.checkpoint_usable = True
 
     def _fixed(self, option: str) -> Callable[[int, torch.Tensor], Codec | None]:
         codec = self._option_codec(option)
@@ -458,7 +469,7 @@ class MemoryBudget:
                device: torch.device) -> BudgetPlan:
         profiles = model.units
         allowed = {name: [o for o in OPTIONS if (o != "checkpoint" or (profiles[name].checkpointable
-                                                                         and model.checkpoint_profiled))
+                                                                         and model.checkpoint_usable))
                           and (o != "swap" or device.type == "cuda")] for name in profiles}
         total_kept = sum(u.kept_bytes for u in profiles.values()) or 1
         total_sensitivity = sum(u.sensitivity or 0.0 for u in profiles.values())
