@@ -224,6 +224,9 @@ def search_in_children(jobs: list[dict], parallel: int = 1) -> list[dict]:
             process.join()
             results[index] = {**found, "tolerance": jobs[index]["tolerance"],
                               "seconds": time.perf_counter() - started}
+            print(f"  search {index + 1}/{len(jobs)} done: {jobs[index].get('model', jobs[index]['builder'])} "
+                  f"{jobs[index]['config'] if isinstance(jobs[index]['config'], str) else ''}: batch {found['batch']}, "
+                  f"peaks (MiB) {({b: round(p, 1) for b, p in found['peaks_mib'].items()})}", flush=True)
     return results
 
 
