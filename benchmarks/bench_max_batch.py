@@ -1,11 +1,15 @@
 """The largest batch whose training step fits in a memory budget, each search in a fresh child process.
 
-What counts against the budget is everything a trial allocates, at its peak: the model's weights, the input
-batch, the gradients and one forward + backward (under ``compress()`` when compressed), measured as the child's
-resident-set peak above its level before the model was built (``peak_memory.py``: glibc's mmap threshold
-pinned, so freed tensors leave the RSS and trials do not hide each other's memory). The interpreter and the
-libraries are not counted. Nothing kills the child at the budget: a batch fits when its measured peak is at or
-below it (on CPU, RLIMIT_AS would count torch's large virtual reservations instead of memory used).
+What counts against the budget is everything a trial allocates, at its peak, measured by the allocator (the
+measure the memory-budget planner plans with and ``tests/test_memory_budget.py`` checks, what a GPU's
+``max_memory_allocated`` counts): the model's weights and the input batch (what building them leaves allocated,
+``lightning_act.profiling.measure_step_memory`` around the build) plus the peak of one forward + backward above
+its start (the same measure around the step, gradients freed before it: they are allocated inside it), under
+``compress()`` when compressed. On CPU that is ``torch.profiler``'s allocator events; the interpreter, the
+libraries and the allocator's caching are not counted. Nothing kills the child at the budget: a batch fits when
+its measured peak is at or below it. (The resident set is not used: in a child that has already run profiled
+trials, freed heap pages are reused without growing it, so a step's resident-set growth read low for compressed
+configurations, whose codecs allocate many small buffers: 135-190 MiB for BERT steps of 254 MiB allocated.)
 
 The configurations are ``bench_gpu.py``'s (``bench_gpu.METHODS``, fp32 here, no autocast), side by side:
 
@@ -14,9 +18,8 @@ The configurations are ``bench_gpu.py``'s (``bench_gpu.METHODS``, fp32 here, no 
   forward + backward per saved tensor each time). The table says how many saved tensors the allocation reached.
 - ``memory budget``: ``ACTConfig(memory_budget=...)``: each trial plans (``MemoryBudget(...).plan``) for the budget
   minus what the built model and batch already hold, then trains one step; the planner's own profiling passes
-  are left out of the trial's peak (``peak_memory.reset_peak`` after planning), and their peak at the found
-  batch is reported beside it: the planner runs the step uncompressed once, so on a device that memory must
-  exist too.
+  are left out of the trial's peak, and their highest (plus the model and batch) at the found batch is reported
+  beside it: on a device that memory must exist too.
 - ``CB1``: compressed checkpointing at 4 bits (HF layers through the config; ResNet bottlenecks through
   ``lightning_act.checkpoint``); ``torch checkpoint``: HF's ``activation_checkpointing_enable()`` (formerly
   ``gradient_checkpointing_enable()``), ``torch.utils.checkpoint`` per bottleneck.
@@ -33,27 +36,23 @@ run at once (memory is per process).
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # pin glibc's mmap threshold before torch allocates anything (re-executes once)
-    from peak_memory import ensure_fixed_mmap_threshold
+import argparse
+import gc
+import json
+import math
+import multiprocessing
+import multiprocessing.connection
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-    ensure_fixed_mmap_threshold()
+import torch
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import multiprocessing  # noqa: E402
-import multiprocessing.connection  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-import models  # noqa: E402
-from bench_gpu import METHODS, Method, Prepared, carry_allocation  # noqa: E402
-from peak_memory import peak_resident_bytes, peak_step_bytes, reset_peak, resident_bytes  # noqa: E402
+import models
+from bench_gpu import METHODS, Method, Prepared, carry_allocation
+from lightning_act.profiling import measure_step_memory
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -86,35 +85,41 @@ def setup_for(config) -> Setup:
     return Setup(Method(config))
 
 
+def _prepare(setup: Setup, model, loss_fn, batch: int, held: int) -> Prepared:
+    """The trial's configuration applied to ``model``: the memory-budget plan for the budget less ``held`` (the
+    planner's peak and plan kept in the setup), or L1's carried allocation."""
+    prepared = Prepared(setup.method, model, CPU, autocast=False)
+    if setup.method.budget:
+        prepared.calibrate(loss_fn, max(1, setup.budget - held))
+        setup.planning_peaks[batch] = held + prepared.plan.planning_peak_bytes
+        setup.plans[batch] = (dict(prepared.plan.options), prepared.shortfall is None)
+    else:
+        allocation = setup.allocation and carry_allocation(setup.allocation, setup.allocation_batch, batch)
+        prepared.calibrate(loss_fn, allocation=allocation)
+    model.zero_grad(set_to_none=True)
+    return prepared
+
+
 def trial_peak(build, config, batch: int) -> int:
-    """Bytes the resident set grew to while building the model at ``batch`` and training one step (``config``:
-    see :func:`setup_for`); the memory-budget planner's passes are left out, their peak kept in the setup."""
+    """Allocator bytes at the peak of a trial at ``batch`` (``config``: see :func:`setup_for`): what building the
+    model and its batch left allocated plus one training step's peak above its start; the memory-budget planner's
+    passes are left out, their peak kept in the setup."""
     setup, made = setup_for(config), {}
 
-    def trial():
-        start = resident_bytes()
-        model, loss_fn = build(batch)
-        prepared = made["prepared"] = Prepared(setup.method, model, CPU, autocast=False)
-        if setup.method.budget:
-            held = resident_bytes() - start
-            prepared.calibrate(loss_fn, max(1, setup.budget - held))
-            setup.planning_peaks[batch] = peak_resident_bytes() - start
-            setup.plans[batch] = (dict(prepared.plan.options), prepared.shortfall is None)
-            reset_peak()  # planning is not the step: the trial's peak is the planned step's
-        else:
-            allocation = setup.allocation and carry_allocation(setup.allocation, setup.allocation_batch, batch)
-            prepared.calibrate(loss_fn, allocation=allocation)
-        model.zero_grad(set_to_none=True)
-        prepared.forward_backward(loss_fn)
+    def built():
+        made["model"], made["loss_fn"] = build(batch)
+
+    held = measure_step_memory(built).end_bytes
+    prepared = _prepare(setup, made["model"], made["loss_fn"], batch, held)
+    try:
+        step = measure_step_memory(lambda: prepared.forward_backward(made["loss_fn"])).peak_bytes
         if prepared.auto is not None:
             setup.coverage[batch] = prepared.allocation_coverage()
-
-    peak = peak_step_bytes(trial)
-    if "prepared" in made:
-        made["prepared"].close()
-    made.clear()
-    gc.collect()
-    return peak
+    finally:
+        prepared.close()
+        made.clear()
+        gc.collect()
+    return held + step
 
 
 def estimate_allocation(build, setup: Setup, batch: int = L1_PROBE_BATCH) -> None:
@@ -193,10 +198,10 @@ def _child(connection, builder: str, options: dict, config, budget: int, max_bat
 def search_in_children(jobs: list[dict], parallel: int = 1) -> list[dict]:
     """``largest_batch`` of each job (``builder`` in models.py, its ``options``, ``config``, ``budget`` bytes,
     ``max_batch``, ``tolerance``), each in a fresh child process, ``parallel`` at a time with a share of the
-    torch threads each (each child measures its own resident set, so they do not see each other's memory); adds
-    the seconds each search took."""
+    torch threads each (memory is measured per process, so they do not see each other's); adds the seconds each
+    search took."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["lightning_act", "models", "peak_memory", "bench_gpu", __name__])
+    context.set_forkserver_preload(["lightning_act", "models", "bench_gpu", __name__])
     results, running, pending = [None] * len(jobs), {}, list(enumerate(jobs))
     threads = max(1, torch.get_num_threads() // parallel)
     while pending or running:
@@ -219,13 +224,18 @@ def search_in_children(jobs: list[dict], parallel: int = 1) -> list[dict]:
             process.join()
             results[index] = {**found, "tolerance": jobs[index]["tolerance"],
                               "seconds": time.perf_counter() - started}
+            print(f"  search {index + 1}/{len(jobs)} done: {jobs[index].get('model', jobs[index]['builder'])} "
+                  f"{jobs[index]['config'] if isinstance(jobs[index]['config'], str) else ''}: batch {found['batch']}, "
+                  f"peaks (MiB) {({b: round(p, 1) for b, p in found['peaks_mib'].items()})}", flush=True)
     return results
 
 
 def report(rows: list[dict], command: str) -> str:
-    """The side-by-side table, then how each figure was measured."""
-    lines = ["| model | budget MiB | config | max batch | vs baseline | trials | search s | notes |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The side-by-side table (each batch against the baseline's and torch checkpointing's), then how each figure
+    was measured."""
+    lines = ["| model | budget MiB | config | max batch | vs baseline | vs torch checkpoint | peak MiB | trials | "
+             "search s | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         notes = []
         if "allocated" in r:
@@ -238,16 +248,23 @@ def report(rows: list[dict], command: str) -> str:
             notes.append("plan: " + ", ".join(f"{n} {o}" for o, n in counts.items()) +
                          ("" if r["plan_met"] else " (planner: budget not met)") +
                          f"; planning peaked at {r['planning_peak_mib']:.0f} MiB")
+        peak = r["peaks_mib"].get(r["batch"])
+        vs_checkpoint = r.get("batch_vs_checkpoint")
         lines.append(f"| {r['model']} {r['options']} | {r['budget_mib']} | {r['config']} | "
-                     f"{r['batch']}{'+' if r['capped'] else ''} | {r['batch_ratio']:.2f}x | {len(r['peaks_mib'])} | "
-                     f"{r['seconds']:.0f} | {'; '.join(notes)} |")
+                     f"{r['batch']}{'+' if r['capped'] else ''} | {r['batch_ratio']:.2f}x | "
+                     f"{'n/a' if vs_checkpoint is None else f'{vs_checkpoint:.2f}x'} | "
+                     f"{'n/a' if peak is None else f'{peak:.1f}'} | "
+                     f"{len(r['peaks_mib'])} | {r['seconds']:.0f} | {'; '.join(notes)} |")
     return "\n".join(lines) + (
         "\n\nA trial builds the model and its batch and trains one step (fp32, forward + backward); it fits when its "
-        "resident-set peak above the child's level before the trial is at or below the budget; searches stop "
-        f"within {100 * rows[0]['tolerance']:.0f}%. L1: bits from one auto-precision round at batch {L1_PROBE_BATCH}, "
-        "carried to the trial's batch by pack order. memory budget: each trial plans for the budget less what the "
-        "built model and batch hold; the planner's passes are not in the trial's peak (their own peak at the found "
-        "batch is in the notes). CB1 and torch checkpoint: per ResNet bottleneck / per HF layer.\n\n"
+        "allocator-measured peak (what building the model and batch left allocated plus the step's peak above its "
+        "start, `lightning_act.profiling.measure_step_memory`: torch.profiler's allocator events on CPU, "
+        "`max_memory_allocated` on a GPU) is at or below the budget; searches stop "
+        f"within {100 * rows[0]['tolerance']:.0f}%. peak MiB: that measure at the batch found. L1: bits from one "
+        f"auto-precision round at batch {L1_PROBE_BATCH}, carried to the trial's batch by pack order. memory "
+        "budget: each trial plans for the budget less what the built model and batch hold; the planner's passes "
+        "are not in the trial's peak (their highest at the found batch, plus the model and batch, is in the notes). "
+        "CB1 and torch checkpoint: per ResNet bottleneck / per HF layer.\n\n"
         f"Command: `{command}`; {models.machine()}.\n")
 
 
@@ -273,8 +290,11 @@ def main(argv=None) -> None:
     for r in rows:
         base = next(b for b in rows if b["model"] == r["model"] and b["config"] == "baseline")
         r["batch_ratio"] = r["batch"] / max(base["batch"], 1)
-    command = "python benchmarks/bench_max_batch.py" + "".join(f" {a}" for a in (argv if argv is not None
-                                                                                 else sys.argv[1:]))
+        peer = next((b for b in rows if b["model"] == r["model"] and b["config"] == "torch checkpoint"), None)
+        if peer is not None:
+            r["batch_vs_checkpoint"] = r["batch"] / max(peer["batch"], 1)
+    command = "python benchmarks/bench_max_batch.py" + "".join(
+        f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:]))
     text = report(rows, command)
     models.publish(text, args.out)
     if args.out:

@@ -16,7 +16,8 @@ How each number is measured (CPU, the pure-torch codecs):
   an uncompressed ``L0`` compressor on one extra step).
 - Run on its own: a GCN over a sparse adjacency, where compression moves the peak, ``bench_gnn_sparse.py``.
 - Max batch: ``bench_max_batch.py``: per (model, configuration) a fresh child process searches the largest
-  batch whose trial (build the model and batch, one training step) peaks at or below the budget.
+  batch whose trial (build the model and batch, one training step) peaks at or below the budget, in allocator
+  bytes (``lightning_act.profiling.measure_step_memory``).
 - Throughput: encode and decode of ReLU'd Gaussian tensors (N x 64 x 32 x 32, float32) from 1 MiB up, in GB/s of
   uncompressed tensor, next to ``torch.clone`` of the same tensor (this machine's copy bandwidth); medians.
 - Torch path: ``bench_torch_path.py``: encode and decode of the ``backend="torch"`` codecs (what CPU users and
@@ -529,9 +530,10 @@ def report(results: dict, command: str, load: dict) -> str:
         lines += ["## Largest batch whose training step fits in a memory budget", "",
                   "Each search runs in a fresh child process (`bench_max_batch.py`), one per CPU at a time with "
                   "one torch thread each. A trial builds the model and its batch and trains one step; it fits when "
-                  "its resident-set peak above the child's level before the trial (weights, batch, gradients, "
-                  "activations, compressed or not, codec temporaries; not the interpreter and libraries) is at or "
-                  "below the budget. Two small batches fit a line, then regula falsi between the largest batch "
+                  "its allocator-measured peak (what the build left allocated plus the step's peak above its start, "
+                  "`lightning_act.profiling.measure_step_memory`: weights, batch, gradients, activations, "
+                  "compressed or not, codec temporaries; not the interpreter, libraries or allocator caching) is at "
+                  "or below the budget. Two small batches fit a line, then regula falsi between the largest batch "
                   "measured to fit and the smallest measured not to, until they are within "
                   f"{100 * results['batch'][0]['tolerance']:.0f}%. Nothing is killed at the budget: the limit is "
                   "measured, not enforced (RLIMIT_AS would count torch's virtual reservations).", "",

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.cuda_emulation.emulator import requires_gxx
 
@@ -282,3 +283,42 @@ def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes
     table = out.read_text()
     assert "| kernels | quantize 4-bit, float32 | FAILED | payload: 1 of " in table
     assert "| kernels | division, float32 | ok |" in table
+
+
+def _tiny_resnet(batch: int):
+    from torch import nn
+
+    from lightning_act.models import resnet8
+
+    torch.manual_seed(0)
+    model = resnet8(3, 10, width=16)
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    return model, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+def test_max_batch_trials_are_allocator_peaks_with_model_and_gradients():
+    import bench_max_batch
+
+    batch = 16
+    first, again = (bench_max_batch.trial_peak(_tiny_resnet, "baseline", batch) for _ in range(2))
+    model, _ = _tiny_resnet(batch)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    inputs = batch * 3 * 32 * 32 * 4
+    assert first == again  # the allocator's count: exact and repeatable, unlike the resident set
+    assert first > 2 * weights + inputs  # weights, their gradients and the batch are counted with the step
+
+
+def test_memory_budget_trial_fits_the_budget_its_most_aggressive_options_fit():
+    import bench_max_batch
+
+    batch = 32
+    peaks = {config: bench_max_batch.trial_peak(_tiny_resnet, config, batch)
+             for config in ("baseline", "2-bit", "CB1")}
+    assert max(peaks["2-bit"], peaks["CB1"]) < peaks["baseline"], peaks
+    # a budget that the most aggressive uniform configuration just meets: the planner's plan must meet it too
+    budget = min(peaks["2-bit"], peaks["CB1"])
+    setup = bench_max_batch.Setup(bench_max_batch.METHODS["memory budget"], budget=budget)
+    assert bench_max_batch.trial_peak(_tiny_resnet, setup, batch) <= budget, setup.plans
+    options, met = setup.plans[batch]
+    assert met and set(options.values()) != {"keep"}
+    assert budget < setup.planning_peaks[batch] < peaks["baseline"]  # its passes: above the step, below no plan
