@@ -112,6 +112,7 @@ from torch import nn
 import accelerate, lightning_act as act
 from lightning_act.integrations import compress_forward, unpatch
 from tests.accelerate_models import mlp, random_batches
+from tests.distributed import end_rank
 
 accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2)
 model = mlp()
@@ -130,10 +131,7 @@ out = {{"world": accelerator.num_processes, "wrapped": type(model).__name__, "ra
         "param_sum": float(sum(p.detach().double().sum() for p in model.parameters()))}}
 with open({out!r} + f"/rank{{accelerator.process_index}}.json", "w") as f:
     json.dump(out, f)
-# gloo's worker threads abort the interpreter ("terminate called without an active
-# exception") when the process group is still alive at exit
-accelerator.wait_for_everyone()
-torch.distributed.destroy_process_group()
+end_rank()
 """
 
 

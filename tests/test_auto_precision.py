@@ -353,6 +353,7 @@ def test_ddp_two_processes_end_with_identical_assignments(tmp_path: Path):
         import json, torch
         import lightning as L
         from lightning_act.callbacks.auto_precision import AutoPrecision
+        from tests.distributed import end_rank
         from tests.lightning_models import TRAINER_ARGS, TinyCNN, random_loader
         torch.manual_seed(0)
         auto = AutoPrecision(adapt_interval=1, bit_budget=3)
@@ -362,8 +363,7 @@ def test_ddp_two_processes_end_with_identical_assignments(tmp_path: Path):
         with open({str(tmp_path)!r} + f"/rank{{trainer.global_rank}}.json", "w") as f:
             json.dump({{"assignment": auto.assignment(), "rounds": auto.rounds,
                        "param_sum": float(sum(p.sum() for p in model.parameters()))}}, f)
-        if torch.distributed.is_initialized():  # gloo threads abort at exit otherwise
-            torch.distributed.destroy_process_group()
+        end_rank()
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,

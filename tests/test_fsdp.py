@@ -27,6 +27,7 @@ WORKER = textwrap.dedent('''
     import lightning_act as act
     from lightning_act.checkpoint import checkpoint
     from lightning_act.fsdp import shard_blocks
+    from tests.distributed import end_rank
 
     OUT = sys.argv[1]
     ARGS = dict(accelerator="cpu", devices=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -204,7 +205,7 @@ WORKER = textwrap.dedent('''
 
     with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    torch.distributed.destroy_process_group()  # gloo threads abort at exit otherwise
+    end_rank()
 ''')
 
 

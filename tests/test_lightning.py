@@ -111,6 +111,7 @@ def test_act_ddp_two_processes_both_compress(tmp_path: Path):
         import json, torch
         import lightning as L
         import lightning_act as act
+        from tests.distributed import end_rank
         from tests.lightning_models import TRAINER_ARGS, TinyCNN, random_loader
         torch.manual_seed(0)
         model = TinyCNN()
@@ -121,8 +122,7 @@ def test_act_ddp_two_processes_both_compress(tmp_path: Path):
                 "param_sum": float(sum(p.sum() for p in model.parameters()))}}
         with open({str(tmp_path)!r} + f"/rank{{trainer.global_rank}}.json", "w") as f:
             json.dump(out, f)
-        if torch.distributed.is_initialized():  # gloo threads abort at exit otherwise
-            torch.distributed.destroy_process_group()
+        end_rank()
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the script imports tests.lightning_models
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
