@@ -19,7 +19,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this working tree's package: nothing to install (offline)
 { nvidia-smi; python -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'cupy', cupy.__version__)"; } \
     > "$out/gpu_env.txt" 2>&1
-timeout 150 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" > "$out/gpu_checks.log" 2>&1
+timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" > "$out/gpu_checks.log" 2>&1
 echo "check_gpu.py: exit $?, $(left) s left"
 # --time-budget stops starting configurations; timeout ends one still running (its rows so far are written)
 core=$(( $(left) * 2 / 3 ))
