@@ -101,15 +101,18 @@ def levels_tensor(bits: int, device: torch.device) -> torch.Tensor:
 
 def quantize_groups(xg: torch.Tensor, counter: torch.Tensor, levels_t: torch.Tensor, bits: int,
                     stats_dtype: torch.dtype):
-    """The quantization of float32 groups ``xg`` (groups x group size, element index = the chunk's first one plus
-    the row-major index in ``xg``), traced into a compiled graph: ``(codes uint8 like xg, mn, step)``.
+    """The quantization of float32 groups ``xg`` (one group per index of dim 0, its other dims the group; element
+    index = the chunk's first one plus the row-major index in ``xg``), traced into a compiled graph: ``(codes uint8
+    like xg, mn, step)``. Groups of several dims keep inductor's loops over them apart (a flattened loop would
+    index a tensor broadcast along some of them by divisions, element by element).
     ``counter`` (int32 words) holds the low 32 bits of the chunk's first element index, the stream keys
     ``mix32(base ^ hi32)`` of its high word and of the next, and the chunk offset where the low word wraps to the
     next high word (past the chunk when it does not: element indices are 64-bit); ``levels_t`` is
     ``2**bits - 1`` as a float32 tensor, so the statistics' division stays a division (inductor turns division by
     a constant into a multiplication by its reciprocal, one ulp off for 3, 15, 255)."""
     levels = (1 << bits) - 1
-    mn, mx = xg.amin(dim=1), xg.amax(dim=1)
+    group_dims, per_group = tuple(range(1, xg.dim())), (-1, *[1] * (xg.dim() - 1))
+    mn, mx = xg.amin(dim=group_dims), xg.amax(dim=group_dims)
     if stats_dtype == torch.float32:
         mn_s = mn
         step_s = (mx - mn) / levels_t
@@ -122,7 +125,7 @@ def quantize_groups(xg: torch.Tensor, counter: torch.Tensor, levels_t: torch.Ten
     key = torch.where(j >= counter[3], counter[2], counter[1])
     k = (_mix32((j + counter[0]) ^ key) >> 8) & 0xFFFFFF
     u = k.float() * 2.0**-24  # exact: 24-bit integers
-    t = ((xg - mn32[:, None]) * inv[:, None] + u).floor()
+    t = ((xg - mn32.view(per_group)) * inv.view(per_group) + u).floor()
     # comparisons are False for NaN, so NaN lands on 0 exactly as in the specification
     q = torch.where(t >= levels, float(levels), torch.where(t > 0, t, 0.0)).to(torch.uint8)
     return q, mn_s, step_s

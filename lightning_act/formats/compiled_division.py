@@ -29,39 +29,63 @@ from .quantize import may_decode_nan
 _block_sizes = functools.lru_cache(maxsize=4096)(block_sizes)
 
 
-def _upsampled(lfc32: torch.Tensor, spatial: tuple[int, ...], block: int) -> torch.Tensor:
-    """float32 block means (``planes x blocks``) repeated over each block and cropped to ``spatial``; traced into
-    a graph, each element reads its block's mean (no repeated copy is made)."""
-    planes, blocks = lfc32.shape[0], lfc32.shape[1:]
-    wide = lfc32.view(planes, *[d for n in blocks for d in (n, 1)])
-    wide = wide.expand(planes, *[d for n in blocks for d in (n, block)]).reshape(planes, *[n * block for n in blocks])
-    return wide[(slice(None), *[slice(0, s) for s in spatial])]
+@functools.lru_cache(maxsize=4096)
+def _block_of_column(width: int, block: int, device: torch.device) -> torch.Tensor:
+    """The block of each index ``0 .. width - 1`` of the last spatial dim (made once per width and device)."""
+    return torch.arange(width, device=device) // block
+
+
+def _widened(lfc: torch.Tensor, width: int, block: int) -> torch.Tensor:
+    """Block means ``lfc`` (``planes x blocks``) repeated along the last spatial dim, of ``width``: ``planes x
+    blocks[:-1] x width`` bfloat16, a 1 / block^(d-1) share of the plane (the whole plane for 1D spatial dims).
+    Made outside the graphs, which read it as an input: traced, the repetition would be inlined into their loops
+    as an index division per element, and their loops would not vectorise."""
+    return lfc.index_select(-1, _block_of_column(width, block, lfc.device))
+
+
+def _upsampled(wide: torch.Tensor, spatial: tuple[int, ...], block: int) -> torch.Tensor:
+    """:func:`_widened` block means repeated ``block`` times along the other spatial dims too, cropped to
+    ``spatial``, float32 (traced into a graph: each element reads its mean along whole rows of the last dim)."""
+    planes, rows, width = wide.shape[0], wide.shape[1:-1], wide.shape[-1]
+    grid = wide.view(planes, *[d for n in rows for d in (n, 1)], width)
+    grid = grid.expand(planes, *[d for n in rows for d in (n, block)], width)
+    grid = grid.reshape(planes, *[n * block for n in rows], width)
+    return grid[(slice(None), *[slice(0, s) for s in spatial[:-1]])].float()
+
+
+def _means_graph(block: int, spatial: tuple[int, ...]):
+    """The chunk's block means: ``(x, sizes) -> lfc`` bfloat16 for planes ``x`` (``planes x spatial``, any float
+    dtype), ``sizes`` from :func:`division.block_sizes` (a tensor: a division by a constant would become a
+    multiplication). Explicit adds in the specification's order (:func:`division.block_sums`)."""
+    padding = zero_padding(spatial, block)
+
+    def means(x, sizes):
+        return bfloat16_rounded(block_sums(F.pad(x.float(), padding), block) / sizes, "nearest")
+
+    return means
 
 
 def _encode_graph(bits: int, block: int, spatial: tuple[int, ...]):
-    """The chunk encode: ``(x, counter, levels, sizes) -> (codes uint8, lfc, mn, step)`` for planes ``x`` (``planes
-    x spatial``, any float dtype); ``counter`` and ``levels`` as for :func:`compiled.quantize_groups`, ``sizes``
-    from :func:`division.block_sizes` (a tensor: a division by a constant would become a multiplication)."""
-    padding, plane = zero_padding(spatial, block), math.prod(spatial)
+    """The chunk's residual codes: ``(x, wide, counter, levels) -> (codes uint8, mn, step)`` for planes ``x``
+    (``planes x spatial``, any float dtype) and their :func:`_widened` block means ``wide``; ``counter`` and
+    ``levels`` as for :func:`compiled.quantize_groups`, each plane a group."""
 
-    def encode(x, counter, levels_t, sizes):
-        values = x.float()
-        lfc = bfloat16_rounded(block_sums(F.pad(values, padding), block) / sizes, "nearest")
-        residual = values - _upsampled(lfc.float(), spatial, block)
-        q, mn, step = quantize_groups(residual.reshape(-1, plane), counter, levels_t, bits, torch.bfloat16)
-        return q.view(-1), lfc, mn, step
+    def encode(x, wide, counter, levels_t):
+        residual = x.float() - _upsampled(wide, spatial, block)
+        q, mn, step = quantize_groups(residual, counter, levels_t, bits, torch.bfloat16)
+        return q.view(-1), mn, step
 
     return encode
 
 
 def _decode_graph(block: int, spatial: tuple[int, ...]):
-    """The chunk decode: ``(codes, mn, step, lfc, out)`` writes ``(mn + codes * step) + upsampled lfc`` into
-    ``out`` (``planes x spatial``, its dtype) for codes one byte each, ``planes x plane``. NaN are left as computed
-    (the caller canonicalises them where there can be any)."""
+    """The chunk decode: ``(codes, mn, step, wide, out)`` writes ``(mn + codes * step) + upsampled lfc`` into
+    ``out`` (``planes x spatial``, its dtype) for codes one byte each, ``planes x plane``, and :func:`_widened`
+    block means ``wide``. NaN are left as computed (the caller canonicalises them where there can be any)."""
 
-    def decode(codes, mn, step, lfc, out):
+    def decode(codes, mn, step, wide, out):
         residual = codes.float() * step.float()[:, None] + mn.float()[:, None]
-        out.copy_(residual.view(-1, *spatial) + _upsampled(lfc.float(), spatial, block))
+        out.copy_(residual.view(-1, *spatial) + _upsampled(wide, spatial, block))
 
     return decode
 
@@ -69,13 +93,15 @@ def _decode_graph(block: int, spatial: tuple[int, ...]):
 @functools.lru_cache(maxsize=None)
 def _compiled(kind: str, bits: int | None, block: int, spatial: tuple[int, ...], dtype: torch.dtype,
               device_type: str):
-    """The compiled ``kind`` ("encode" or "decode", whose graph is the same for every ``bits``: None) graph for
-    planes of ``spatial`` shape in ``dtype`` on ``device_type``."""
-    fn = _encode_graph(bits, block, spatial) if kind == "encode" else _decode_graph(block, spatial)
+    """The compiled ``kind`` ("means", "encode" or "decode"; ``bits`` None but for "encode") graph for planes of
+    ``spatial`` shape in ``dtype`` on ``device_type``."""
+    graphs = {"means": lambda: _means_graph(block, spatial), "encode": lambda: _encode_graph(bits, block, spatial),
+              "decode": lambda: _decode_graph(block, spatial)}
     parts = ["division", kind, *([f"{bits}bit"] if bits is not None else []), f"b{block}",
              "s" + "x".join(map(str, spatial)), str(dtype).removeprefix("torch."), device_type]
-    # the inputs whose length is the chunk's planes (decode: codes, mn, step, lfc, out)
-    return compile_graph(fn, "_".join(parts), device_type, 1 if kind == "encode" else 5)
+    # the inputs whose length is the chunk's planes
+    dynamic = {"means": 1, "encode": 2, "decode": 5}[kind]
+    return compile_graph(graphs[kind](), "_".join(parts), device_type, dynamic)
 
 
 def _two_planes(t: torch.Tensor) -> torch.Tensor:
@@ -94,6 +120,7 @@ def division_encode_compiled(x: torch.Tensor, block: int, bits: int, seed: int, 
         return lfc, payload, x.new_empty(0, dtype=torch.bfloat16), x.new_empty(0, dtype=torch.bfloat16)
     mn = torch.empty(planes, dtype=torch.bfloat16, device=x.device)
     step = torch.empty(planes, dtype=torch.bfloat16, device=x.device)
+    means = _compiled("means", None, block, spatial, x.dtype, x.device.type)
     encode = _compiled("encode", bits, block, spatial, x.dtype, x.device.type)
     levels, sizes = levels_tensor(bits, x.device), _block_sizes(spatial, block, x.device)
     per_call = groups_per_call(plane, bits, x.device)
@@ -102,7 +129,8 @@ def division_encode_compiled(x: torch.Tensor, block: int, bits: int, seed: int, 
     for p0, counter in zip(starts, table):
         p1 = min(planes, p0 + per_call)
         chunk = x[p0:p1] if p1 - p0 > 1 else _two_planes(x[p0:p1])
-        codes, lfc_c, mn_c, step_c = encode(chunk, counter, levels, sizes)
+        lfc_c = means(chunk, sizes)
+        codes, mn_c, step_c = encode(chunk, _widened(lfc_c, spatial[-1], block), counter, levels)
         lfc[p0:p1], mn[p0:p1], step[p0:p1] = lfc_c[: p1 - p0], mn_c[: p1 - p0], step_c[: p1 - p0]
         m = (p1 - p0) * plane
         out = payload[p0 * plane * bits // 8 : packed_nbytes(p1 * plane, bits)]
@@ -133,7 +161,8 @@ def division_decode_compiled(lfc, payload, mn, step, planes: int, spatial: tuple
         p1 = min(planes, p0 + per_call)
         packed = payload[p0 * plane * bits // 8 : packed_nbytes(p1 * plane, bits)]
         codes = packed if bits == 8 else unpack_codes_(packed, bits, codes_ws[: packed.numel() * 8 // bits], scratch)
-        args = (codes[: (p1 - p0) * plane].view(p1 - p0, plane), mn[p0:p1], step[p0:p1], lfc[p0:p1])
+        wide = _widened(lfc[p0:p1], spatial[-1], block)
+        args = (codes[: (p1 - p0) * plane].view(p1 - p0, plane), mn[p0:p1], step[p0:p1], wide)
         if p1 - p0 > 1:
             decode(*args, out[p0:p1])
         else:
