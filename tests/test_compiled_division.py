@@ -1,4 +1,4 @@
-"""backend='compile' for DIVISION (issue #20 item 5): one inductor graph per chunk of whole planes stores and decodes
+"""backend='compile' for DIVISION (issue #20 item 5): inductor graphs over chunks of whole planes store and decode
 the bits of the specification (formats.division's division_encode_spec / division_decode_spec).
 
 Each compiled variant (bits, block, spatial shape, value dtype) costs an inductor compilation (seconds on a loaded

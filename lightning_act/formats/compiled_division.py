@@ -1,14 +1,20 @@
 """DIVISION's fast path through ``torch.compile`` (``backend="compile"``): the same bits as
-:func:`lightning_act.formats.division.division_encode_spec` / ``division_decode_spec``, with inductor fusing a
-chunk of whole planes into one graph: the block sums (explicit adds in the specification's order: inductor does not
-reassociate them, as a ``sum()`` reduction would), the bfloat16 block means, the residual, its per-plane statistics
-and codes (:func:`lightning_act.formats.compiled.quantize_groups`); decode is one graph per chunk too.
+:func:`lightning_act.formats.division.division_encode_spec` / ``division_decode_spec``, a chunk of whole planes at
+a time in two inductor graphs to encode, one to decode:
 
-One compiled graph per variant (kind, bits, block, spatial shape, value dtype, device type), built on first use and
-cached; the chunk's number of planes is a dynamic dimension, so the last, shorter chunk reuses the same code.
-Chunks hold :func:`compiled.groups_per_call` planes (whole planes whose codes start on a byte); a last chunk of one
-plane goes with a zero plane after it (a dimension of size 1 would be specialised, and compiled again). Codes are
-packed and unpacked outside the graphs, as on the quantize format's compiled path.
+- means: the block sums (explicit adds in the specification's order: inductor does not reassociate them, as it
+  would a ``sum()`` reduction) and the bfloat16 block means;
+- encode: the residual against the upsampled means, its per-plane statistics and codes
+  (:func:`lightning_act.formats.compiled.quantize_groups`, each plane a group);
+- decode: ``(mn + code * step) + upsampled means``, in the output dtype.
+
+Between them the means are repeated along the last spatial dim (:func:`_widened`: a small tensor, but in 1D), so
+that the graphs read them along whole rows: their loops vectorise. One compiled graph per variant (kind, bits,
+block, spatial shape, value dtype, device type), built on first use and cached; the chunk's number of planes is a
+dynamic dimension, so the last, shorter chunk reuses the same code. Chunks hold :func:`compiled.groups_per_call`
+planes (whole planes whose codes start on a byte); a last chunk of one plane goes with a zero plane after it (a
+dimension of size 1 would be specialised, and compiled again). Codes are packed and unpacked outside the graphs, as
+on the quantize format's compiled path.
 """
 from __future__ import annotations
 
