@@ -8,9 +8,9 @@ in GB/s of input tensor, next to two copies of the same tensor.
 - ``copy_``: ``out.copy_(x)`` into a tensor allocated once: the machine's copy bandwidth, no faults.
 
 A ReLU'd Gaussian activation (default 16 x 256 x 56 x 56, a ResNet stage-1 map at batch 16) in float32,
-bfloat16 and float16; ``quantize`` at 1, 2, 4, 8 bits and ``division`` (B=8, Q=2), ``backend="torch"``, and the
-quantize codecs again with ``backend="compile"`` (``torch.compile``'s inductor: the first encode and decode, which
-compile, are timed apart and left out of the rates). Each repeat times clone, copy_, encode and decode in turn (so
+bfloat16 and float16; ``quantize`` at 1, 2, 4, 8 bits and ``division`` (B=8, Q=2), ``backend="torch"``, and
+again with ``backend="compile"`` (``torch.compile``'s inductor: the first encode and decode, which compile, are
+timed apart and left out of the rates). Each repeat times clone, copy_, encode and decode in turn (so
 a change of machine load hits all four alike); the rates are medians of the repeats after one warm-up round.
 ``--threads 1 2`` measures each thread count.
 
@@ -36,7 +36,7 @@ CODECS = {**{f"quantize {b}-bit": ("quantize", {"bits": b}) for b in (1, 2, 4, 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TITLE = "Torch path encode/decode GB/s and fraction of clone"
 TARGET = 0.25  # issue #20: encode at 1/4 or more of clone bandwidth
-COMPILED = tuple(name for name in CODECS if name.startswith("quantize"))  # the codecs with a compiled path
+COMPILED = tuple(CODECS)  # the codecs with a compiled path: all of them
 
 
 def _faults() -> int:
@@ -146,7 +146,7 @@ def description(rows: list[dict]) -> str:
             "by the kernel page by page, so "
             "clone is the copy plus the faults); copy_: `out.copy_(x)` into a tensor allocated once (the copy "
             f"alone). ✗: encode below {TARGET:g} of clone (issue #20's target). division: B=8, Q=2. compile: "
-            "`torch.compile` (inductor) of the quantize chunk pipeline; its first encode and decode, in elapsed "
+            "`torch.compile` (inductor) of the codec's chunk pipeline; its first encode and decode, in elapsed "
             "seconds, compile the variant (or find it compiled earlier in the run, or in inductor's on-disk "
             "cache) and are left out of the rates.")
 

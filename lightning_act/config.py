@@ -80,8 +80,8 @@ class ACTConfig:
             ends); off by default.
         seed: seed of the counter-based stochastic-rounding noise.
         backend: ``"auto"`` (CuPy kernels for CUDA tensors when CuPy imports, else torch), ``"torch"``, ``"cupy"``,
-            or ``"compile"`` (quantize's torch path through ``torch.compile``: same bits, fused loops; needs a C++
-            compiler on CPU, Triton on CUDA).
+            or ``"compile"`` (the quantize and division torch paths through ``torch.compile``: same bits, fused
+            loops; needs a C++ compiler on CPU, Triton on CUDA).
         error_bound: absolute error bound for error-bounded codecs.
         codec_options: other constructor arguments of the codec, e.g. ``{"block_size": 4, "bits": 4}`` for
             ``division`` (names the codec's constructor does not take are refused).

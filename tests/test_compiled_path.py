@@ -15,7 +15,7 @@ from lightning_act.formats import compiled
 from lightning_act.formats._bitpack import pack_codes_
 from lightning_act.formats.floats import INT_VIEW
 from lightning_act.formats.quantize import Workspace, chunk_elements, dequantize_spec, encode_groups, quantize_spec
-from lightning_act.profiling import measure_step_memory
+from tests.codec_peaks import assert_peaks_within
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile unsupported here")
 
@@ -107,11 +107,8 @@ def test_training_step_gradients_equal_the_torch_backend_bit_for_bit():
     _assert_same_bits(grads["compile"], grads["torch"])
 
 
-def test_compile_backend_never_runs_the_kernels_and_division_keeps_its_torch_reference():
+def test_compile_backend_never_runs_the_kernels():
     assert not backend.uses_kernels("compile", torch.zeros(4))
-    x = torch.relu(torch.randn(2, 3, 16, 16))
-    packed, expected = (act.codecs.get("division", backend=b).encode(x, key=2) for b in ("compile", "torch"))
-    _assert_same_bits(packed.buffers.values(), expected.buffers.values())
 
 
 @pytest.mark.parametrize("broken,match", [
@@ -157,10 +154,4 @@ def test_encode_and_decode_allocate_their_results_and_chunk_sized_workspaces():
     chunk's size (the codes and the unpacking's scratch, a byte per element of 4 torch-path chunks each)."""
     slack = max(2 * 2**20, 16 * chunk_elements(torch.device("cpu")))
     codec = act.codecs.get("quantize", bits=4, backend="compile")
-    x = torch.randn(1 << 22)
-    codec.decode(codec.encode(x))  # warm-up: the profiler sizes frees only of blocks it saw allocated
-    out = []
-    peak = measure_step_memory(lambda: out.append(codec.encode(x))).peak_bytes
-    assert peak <= out[0].nbytes + slack, f"encode peaked {peak / 2**20:.1f} MiB"
-    peak = measure_step_memory(lambda: out.append(codec.decode(out[0]))).peak_bytes
-    assert peak <= x.numel() * 4 + slack, f"decode peaked {peak / 2**20:.1f} MiB"
+    assert_peaks_within(codec, torch.randn(1 << 22), slack)

@@ -1,7 +1,8 @@
 """The one place a codec's backend is chosen: the CUDA kernels (:mod:`lightning_act.cuda`) or the pure-torch
 reference of its format (:mod:`lightning_act.formats`), which store the same bits. ``"compile"`` runs the torch
 path through ``torch.compile`` where a format has a compiled pipeline (quantize:
-:mod:`lightning_act.formats.compiled`), the torch reference elsewhere; never the kernels."""
+:mod:`lightning_act.formats.compiled`; division: :mod:`lightning_act.formats.compiled_division`), the torch
+reference elsewhere; never the kernels."""
 from __future__ import annotations
 
 import torch

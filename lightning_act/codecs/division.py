@@ -30,6 +30,13 @@ def saved_layout(x: torch.Tensor) -> torch.Size:
     return x.shape
 
 
+def _compiled_path():
+    """:mod:`lightning_act.formats.compiled_division`, imported on first use (backend='compile' only)."""
+    from ..formats import compiled_division
+
+    return compiled_division
+
+
 # planes_and_spatial of the shapes met: the same few hundred every step
 _planes_and_spatial = functools.lru_cache(maxsize=4096)(planes_and_spatial)
 
@@ -74,8 +81,9 @@ class DivisionCodec(Codec):
             buffers = division_encode_cuda_packed(x.contiguous(), planes, spatial, self.block_size, self.bits,
                                                   self.seed, key)
             return Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
-        lfc, payload, mn, step = division_encode_reference(x.reshape(planes, *spatial).contiguous(), self.block_size,
-                                                           self.bits, self.seed, key)
+        encode = division_encode_reference if self.backend != "compile" else _compiled_path().division_encode_compiled
+        lfc, payload, mn, step = encode(x.reshape(planes, *spatial).contiguous(), self.block_size, self.bits, self.seed,
+                                        key)
         return Packed(self.name, x.shape, x.dtype, x.device,
                       {"lfc": lfc, "payload": payload, "mn": mn, "step": step}, meta)
 
@@ -89,7 +97,12 @@ class DivisionCodec(Codec):
         planes, spatial, block = m["planes"], m["spatial"], m["block_size"]
         lfc = b["lfc"].view(planes, *block_counts(spatial, block))  # a OneBuffer's part is flat
         args = (lfc, b["payload"], b["mn"], b["step"], planes, spatial, block, m["bits"], packed.dtype)
-        decode = self._decode_kernel if self.runs_kernels(lfc, packed.dtype) else division_decode_reference
+        if self.runs_kernels(lfc, packed.dtype):
+            decode = self._decode_kernel
+        elif self.backend == "compile":
+            decode = _compiled_path().division_decode_compiled
+        else:
+            decode = division_decode_reference
         return decode(*args).view(packed.shape)
 
     def kernels_take(self, dtype: torch.dtype) -> bool:

@@ -64,19 +64,25 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 15) & 0x1FFFF)
 
 
-def _bfloat16_directed(v: torch.Tensor, down: bool) -> torch.Tensor:
-    """float32 ``v`` rounded to bfloat16 toward -inf (``down``) or +inf, NaN to the canonical NaN: the rounding
-    of :func:`formats.quantize._round_stats` (to nearest, then one step back where that went the wrong way), on
-    the bits (inductor elides a cast to bfloat16 and back, so comparing the cast with ``v`` sees no rounding)."""
+def bfloat16_rounded(v: torch.Tensor, rounding: str) -> torch.Tensor:
+    """float32 ``v`` rounded to bfloat16 toward -inf (``rounding="down"``), +inf ("up") or to nearest, ties to even
+    ("nearest", torch's cast), NaN to the canonical NaN: down and up are the rounding of
+    :func:`formats.quantize._round_stats` (to nearest, then one step back where that went the wrong way). Computed
+    on the bits: inductor elides a cast to bfloat16 and back, so a cast would neither round a value used again in
+    float32 nor let a comparison with ``v`` see the rounding."""
     bits = v.view(torch.int32)
     pattern = (bits >> 16) & 0xFFFF  # truncation: toward zero
-    away = ((bits & 0xFFFF) != 0) & ((bits < 0) == down)  # inexact, and the direction grows the magnitude
+    low = bits & 0xFFFF
+    if rounding == "nearest":
+        away = (low > 0x8000) | ((low == 0x8000) & ((pattern & 1) == 1))
+    else:  # inexact, and the direction grows the magnitude
+        away = (low != 0) & ((bits < 0) == (rounding == "down"))
     pattern = torch.where(torch.isnan(v), CANONICAL_NAN[torch.bfloat16], pattern + away.to(torch.int32))
     return torch.where(pattern >= 0x8000, pattern - 0x10000, pattern).to(torch.int16).view(torch.bfloat16)
 
 
 def counters(base: int, starts: list[int], device: torch.device) -> torch.Tensor:
-    """The ``counter`` rows of :func:`_encode_graph` for chunks starting at the element indices ``starts``: one
+    """The ``counter`` rows of :func:`quantize_groups` for chunks starting at the element indices ``starts``: one
     host-to-device copy per tensor (pinned, asynchronous), not one per chunk."""
     rows = []
     for start in starts:
@@ -88,38 +94,49 @@ def counters(base: int, starts: list[int], device: torch.device) -> torch.Tensor
 
 
 @functools.lru_cache(maxsize=None)
-def _levels(bits: int, device: torch.device) -> torch.Tensor:
+def levels_tensor(bits: int, device: torch.device) -> torch.Tensor:
     """``2**bits - 1`` as a float32 tensor on ``device`` (made once: no copy per encode)."""
     return torch.tensor(float((1 << bits) - 1), device=device)
 
 
-def _encode_graph(bits: int, group_size: int, stats_dtype: torch.dtype):
-    """The chunk encode: ``(x, counter, levels) -> (codes uint8, mn, step)`` for a flat chunk ``x`` of whole
-    groups; ``counter`` (int32 words) holds the low 32 bits of the chunk's first element index, the stream keys
+def quantize_groups(xg: torch.Tensor, counter: torch.Tensor, levels_t: torch.Tensor, bits: int,
+                    stats_dtype: torch.dtype):
+    """The quantization of float32 groups ``xg`` (one group per index of dim 0, its other dims the group; element
+    index = the chunk's first one plus the row-major index in ``xg``), traced into a compiled graph: ``(codes uint8
+    like xg, mn, step)``. Groups of several dims keep inductor's loops over them apart (a flattened loop would
+    index a tensor broadcast along some of them by divisions, element by element).
+    ``counter`` (int32 words) holds the low 32 bits of the chunk's first element index, the stream keys
     ``mix32(base ^ hi32)`` of its high word and of the next, and the chunk offset where the low word wraps to the
-    next high word (past the chunk when it does not: element indices are 64-bit); ``levels`` is
+    next high word (past the chunk when it does not: element indices are 64-bit); ``levels_t`` is
     ``2**bits - 1`` as a float32 tensor, so the statistics' division stays a division (inductor turns division by
     a constant into a multiplication by its reciprocal, one ulp off for 3, 15, 255)."""
     levels = (1 << bits) - 1
+    group_dims, per_group = tuple(range(1, xg.dim())), (-1, *[1] * (xg.dim() - 1))
+    mn, mx = xg.amin(dim=group_dims), xg.amax(dim=group_dims)
+    if stats_dtype == torch.float32:
+        mn_s = mn
+        step_s = (mx - mn) / levels_t
+    else:
+        mn_s = bfloat16_rounded(mn, "down")
+        step_s = bfloat16_rounded((mx - mn_s.float()) / levels_t, "up")
+    mn32, step32 = mn_s.float(), step_s.float()
+    inv = torch.where(step32 > 0, 1.0 / step32, 0.0)
+    j = torch.arange(xg.numel(), dtype=torch.int32, device=xg.device).view_as(xg)
+    key = torch.where(j >= counter[3], counter[2], counter[1])
+    k = (_mix32((j + counter[0]) ^ key) >> 8) & 0xFFFFFF
+    u = k.float() * 2.0**-24  # exact: 24-bit integers
+    t = ((xg - mn32.view(per_group)) * inv.view(per_group) + u).floor()
+    # comparisons are False for NaN, so NaN lands on 0 exactly as in the specification
+    q = torch.where(t >= levels, float(levels), torch.where(t > 0, t, 0.0)).to(torch.uint8)
+    return q, mn_s, step_s
+
+
+def _encode_graph(bits: int, group_size: int, stats_dtype: torch.dtype):
+    """The chunk encode: ``(x, counter, levels) -> (codes uint8, mn, step)`` for a flat chunk ``x`` of whole
+    groups (``counter``, ``levels``: :func:`quantize_groups`)."""
 
     def encode(x, counter, levels_t):
-        xg = x.view(-1, group_size).float()
-        mn, mx = xg.amin(dim=1), xg.amax(dim=1)
-        if stats_dtype == torch.float32:
-            mn_s = mn
-            step_s = (mx - mn) / levels_t
-        else:
-            mn_s = _bfloat16_directed(mn, down=True)
-            step_s = _bfloat16_directed((mx - mn_s.float()) / levels_t, down=False)
-        mn32, step32 = mn_s.float(), step_s.float()
-        inv = torch.where(step32 > 0, 1.0 / step32, 0.0)
-        j = torch.arange(x.numel(), dtype=torch.int32, device=x.device).view_as(xg)
-        key = torch.where(j >= counter[3], counter[2], counter[1])
-        k = (_mix32((j + counter[0]) ^ key) >> 8) & 0xFFFFFF
-        u = k.float() * 2.0**-24  # exact: 24-bit integers
-        t = ((xg - mn32[:, None]) * inv[:, None] + u).floor()
-        # comparisons are False for NaN, so NaN lands on 0 exactly as in the specification
-        q = torch.where(t >= levels, float(levels), torch.where(t > 0, t, 0.0)).to(torch.uint8)
+        q, mn_s, step_s = quantize_groups(x.view(-1, group_size).float(), counter, levels_t, bits, stats_dtype)
         return q.view(-1), mn_s, step_s
 
     return encode
@@ -137,17 +154,11 @@ def _decode_graph(group_size: int, dtype: torch.dtype):
     return decode
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(kind: str, bits: int | None, group_size: int, dtype: torch.dtype, stats_dtype: torch.dtype,
-              device_type: str):
-    """The compiled ``kind`` ("encode" or "decode", whose graph is the same for every ``bits``: None) graph for
-    values of ``dtype`` and statistics of ``stats_dtype`` on ``device_type``. Each variant gets its own code
-    object: dynamo caches compiled graphs per code object (at most ``recompile_limit`` of them), so variants
-    sharing one would evict each other."""
-    fn = _encode_graph(bits, group_size, stats_dtype) if kind == "encode" else _decode_graph(group_size, dtype)
-    parts = [kind, *([f"{bits}bit"] if bits is not None else []), f"g{group_size}", str(dtype), str(stats_dtype),
-             device_type]
-    name = "_".join(parts).replace("torch.", "")
+def compile_graph(fn, name: str, device_type: str, dynamic: int):
+    """``fn`` through ``torch.compile`` (inductor, whole graph) as a code object of its own named ``name``:
+    dynamo caches compiled graphs per code object (at most ``recompile_limit`` of them), so variants sharing one
+    would evict each other. Dim 0 of its first ``dynamic`` arguments (the chunk's length) is dynamic: one graph
+    for every chunk length, which must never be 0 or 1 (dynamo specialises those)."""
     fn = type(fn)(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
     # CUDA: IEEE division, subnormals kept and no fused multiply-add (the specification's single float32
     # operations; inductor's C++ already compiles with -ffp-contract=off and without -ffast-math)
@@ -155,17 +166,27 @@ def _compiled(kind: str, bits: int | None, group_size: int, dtype: torch.dtype, 
                "eager_numerics.disable_ftz": True} if device_type == "cuda" else {}
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
-    dynamic = 1 if kind == "encode" else 4  # the inputs whose length is the chunk's (decode: codes, mn, step, out)
-
     def run(*args):
         for t in args[:dynamic]:
-            torch._dynamo.mark_dynamic(t, 0)  # one graph for every chunk length
+            torch._dynamo.mark_dynamic(t, 0)
         # the same global state from every caller (a pack hook runs with grad on, maybe under autocast): no graph
         # compiled again for it, and no autograd graph
         with torch.no_grad(), torch.autocast(device_type, enabled=False):
             return compiled(*args)
 
     return run
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind: str, bits: int | None, group_size: int, dtype: torch.dtype, stats_dtype: torch.dtype,
+              device_type: str):
+    """The compiled ``kind`` ("encode" or "decode", whose graph is the same for every ``bits``: None) graph for
+    values of ``dtype`` and statistics of ``stats_dtype`` on ``device_type``."""
+    fn = _encode_graph(bits, group_size, stats_dtype) if kind == "encode" else _decode_graph(group_size, dtype)
+    parts = [kind, *([f"{bits}bit"] if bits is not None else []), f"g{group_size}", str(dtype), str(stats_dtype),
+             device_type]
+    # the inputs whose length is the chunk's (decode: codes, mn, step, out)
+    return compile_graph(fn, "_".join(parts).replace("torch.", ""), device_type, 1 if kind == "encode" else 4)
 
 
 def _pieces(n: int, group_size: int, chunk: int):
@@ -187,9 +208,10 @@ def _pieces(n: int, group_size: int, chunk: int):
     yield start, n, max(2, -(-(n - start) // group_size)) * group_size
 
 
-def _chunk(group_size: int, bits: int, device: torch.device) -> int:
-    """Elements per graph call: about ``CHUNK_FACTOR`` torch-path chunks, whole groups, at least two."""
-    return groups_per_chunk(group_size, bits, max(2 * group_size, CHUNK_FACTOR * chunk_elements(device))) * group_size
+def groups_per_call(group_size: int, bits: int, device: torch.device) -> int:
+    """Groups per graph call: about ``CHUNK_FACTOR`` torch-path chunks, at least two, whose codes fill whole
+    bytes."""
+    return groups_per_chunk(group_size, bits, max(2 * group_size, CHUNK_FACTOR * chunk_elements(device)))
 
 
 def quantize_compiled(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, seed: int, key: int):
@@ -200,8 +222,8 @@ def quantize_compiled(x: torch.Tensor, bits: int, group_size: int, stats_dtype: 
     if n == 0:
         return payload, mn_out, step_out
     encode = _compiled("encode", bits, group_size, x.dtype, stats_dtype, x.device.type)
-    levels = _levels(bits, x.device)
-    pieces = list(_pieces(n, group_size, _chunk(group_size, bits, x.device)))
+    levels = levels_tensor(bits, x.device)
+    pieces = list(_pieces(n, group_size, groups_per_call(group_size, bits, x.device) * group_size))
     table = counters(rng.stream_base(seed, key), [p[0] for p in pieces], x.device)
     for (e0, e1, length), counter in zip(pieces, table):
         m, values = e1 - e0, flat[e0:e1]
@@ -232,7 +254,7 @@ def dequantize_compiled(payload: torch.Tensor, mn: torch.Tensor, step: torch.Ten
     if numel == 0:
         return out
     decode = _compiled("decode", None, group_size, dtype, mn.dtype, payload.device.type)
-    pieces = list(_pieces(numel, group_size, _chunk(group_size, bits, payload.device)))
+    pieces = list(_pieces(numel, group_size, groups_per_call(group_size, bits, payload.device) * group_size))
     canonical_nan = may_decode_nan(mn, step)
     if bits < 8:  # the codes, a byte each, and the unpacking's scratch: reused from piece to piece
         codes_ws, scratch = torch.empty(2, max(p[2] for p in pieces), dtype=torch.uint8, device=payload.device)

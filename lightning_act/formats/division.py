@@ -56,7 +56,7 @@ def block_counts(spatial: tuple[int, ...], block: int) -> tuple[int, ...]:
     return tuple(-(-s // block) for s in spatial)
 
 
-def _zero_padding(spatial: tuple[int, ...], block: int) -> list[int]:
+def zero_padding(spatial: tuple[int, ...], block: int) -> list[int]:
     """``F.pad`` widths that zero-pad ``spatial`` to whole blocks."""
     return [p for s, n in zip(reversed(spatial), reversed(block_counts(spatial, block))) for p in (0, n * block - s)]
 
@@ -71,23 +71,29 @@ def block_sizes(spatial: tuple[int, ...], block: int, device: torch.device | str
     return count
 
 
-def block_means(padded: torch.Tensor, sizes: torch.Tensor, block: int) -> torch.Tensor:
-    """bfloat16 block means (NaN canonical) of ``padded`` (float32 ``planes x spatial`` zero-padded to whole
-    blocks), ``sizes`` from :func:`block_sizes`; the summation order is the kernel's (module docstring)."""
-    t = padded.view(padded.shape[0], *[d for n in sizes.shape for d in (n, block)])
+def block_sums(padded: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 sums of the blocks of ``padded`` (float32 ``planes x spatial`` zero-padded to whole blocks),
+    ``planes x blocks``, in the kernel's order (module docstring)."""
+    t = padded.view(padded.shape[0], *[d for s in padded.shape[1:] for d in (s // block, block)])
     for axis in range(t.dim() - 1, 0, -2):  # fold the last spatial dim first
         acc = t.select(axis, 0).clone()
         for j in range(1, block):
             acc.add_(t.select(axis, j))
         t = acc
-    return canonical_nan_((t / sizes).to(torch.bfloat16))
+    return t
+
+
+def block_means(padded: torch.Tensor, sizes: torch.Tensor, block: int) -> torch.Tensor:
+    """bfloat16 block means (NaN canonical) of ``padded`` (float32 ``planes x spatial`` zero-padded to whole
+    blocks), ``sizes`` from :func:`block_sizes`; the summation order is the kernel's (module docstring)."""
+    return canonical_nan_((block_sums(padded, block) / sizes).to(torch.bfloat16))
 
 
 def low_frequency_copy(x: torch.Tensor, block: int) -> torch.Tensor:
     """Block means of ``x`` (``planes x spatial``, any float dtype) in bfloat16, partial edge blocks averaged
     over their elements inside the tensor, NaN canonical; the summation order is the kernel's (module docstring)."""
     spatial = tuple(x.shape[1:])
-    return block_means(F.pad(x.float(), _zero_padding(spatial, block)), block_sizes(spatial, block, x.device), block)
+    return block_means(F.pad(x.float(), zero_padding(spatial, block)), block_sizes(spatial, block, x.device), block)
 
 
 def upsample_nearest(lfc: torch.Tensor, spatial: tuple[int, ...], block: int) -> torch.Tensor:

@@ -1,0 +1,15 @@
+"""The allocation bound of a codec's encode and decode, for the tests of its chunked paths."""
+import torch
+
+from lightning_act.profiling import measure_step_memory
+
+
+def assert_peaks_within(codec, x: torch.Tensor, slack: int) -> None:
+    """Encoding ``x`` allocates at most its encoded form plus ``slack`` bytes, decoding at most ``x``'s size plus
+    ``slack`` (on CPU)."""
+    codec.decode(codec.encode(x))  # warm-up: the profiler sizes frees only of blocks it saw allocated
+    out = []
+    peak = measure_step_memory(lambda: out.append(codec.encode(x))).peak_bytes
+    assert peak <= out[0].nbytes + slack, f"encode peaked {peak / 2**20:.1f} MiB"
+    peak = measure_step_memory(lambda: out.append(codec.decode(out[0]))).peak_bytes
+    assert peak <= x.numel() * x.element_size() + slack, f"decode peaked {peak / 2**20:.1f} MiB"
