@@ -51,9 +51,9 @@ class ACTConfig:
     """How saved activations are compressed.
 
     The fields fall in three groups. The level and the engine: ``opt_level``, ``min_numel``, ``compress_masks``,
-    ``blpa_bits``, ``bounded_cnn``, ``bounded_ffn``, ``swap``, ``checkpointing``, ``efficient_attention``. The codec: ``codec`` and
-    its options, given by the fields its class lists in ``config_fields`` (``bits``, ``group_size``,
-    ``stats_dtype``, ``seed``, ``backend``, ``error_bound``) and any other constructor argument in
+    ``blpa_bits``, ``bounded_cnn``, ``bounded_ffn``, ``swap``, ``checkpointing``, ``efficient_attention``. The
+    codec: ``codec`` and its options, given by the fields its class lists in ``config_fields`` (``bits``,
+    ``group_size``, ``stats_dtype``, ``seed``, ``backend``, ``error_bound``) and any other constructor argument in
     ``codec_options``. Auto-precision: ``adaptive``, ``adapt_interval``, ``bit_budget``, ``adapt_fraction``,
     ``alert_ratio``. The memory-budget mode: ``memory_budget``.
 
@@ -159,7 +159,8 @@ class ACTConfig:
         check_int("group_size", self.group_size, minimum=32, multiple_of=32)
         check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
         check_int("min_numel", self.min_numel, minimum=0)
-        for flag in ("compress_masks", "bounded_cnn", "bounded_ffn", "swap", "checkpointing", "efficient_attention", "side_stream"):
+        for flag in ("compress_masks", "bounded_cnn", "bounded_ffn", "swap", "checkpointing", "efficient_attention",
+                     "side_stream"):
             check_choice(flag, getattr(self, flag), (True, False))
         if self.side_stream and self.swap:
             raise ValueError(f"side_stream=True encodes on a side stream that swap=True's copies do not wait for; got "

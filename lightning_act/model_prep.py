@@ -43,9 +43,12 @@ class BLPAConversion:
         return contextlib.nullcontext()
 
 
-class BoundedCNNConversion:
-    """Bounded Conv-BN-ReLU and residual-merge backwards during each forward (``ACTConfig.bounded_cnn``); a model
-    the user converted stays as it is."""
+class BoundedConversion:
+    """A bounded-backward conversion applied during each forward when its config flag is on
+    (``ACTConfig.bounded_cnn``, ``ACTConfig.bounded_ffn``); a model the user converted stays as it is."""
+
+    def __init__(self, flag: str, convert, is_converted, unconvert) -> None:
+        self.flag, self.convert, self.is_converted, self.unconvert = flag, convert, is_converted, unconvert
 
     def prepare(self, compressor: ActivationCompressor) -> None:
         pass
@@ -53,34 +56,14 @@ class BoundedCNNConversion:
     @contextlib.contextmanager
     def forward_context(self, compressor: ActivationCompressor) -> Iterator[None]:
         model = compressor.model
-        if model is None or not compressor.config.bounded_cnn or is_bounded(model):
+        if model is None or not getattr(compressor.config, self.flag) or self.is_converted(model):
             yield
             return
-        convert_bounded_cnn(model)
+        self.convert(model)
         try:
             yield
         finally:  # the graph built meanwhile keeps its bounded nodes; the model is the user's again
-            unconvert_bounded_cnn(model)
-
-
-class BoundedFFNConversion:
-    """Bounded Linear -> activation backwards during each forward (``ACTConfig.bounded_ffn``); a model the user
-    converted stays as it is."""
-
-    def prepare(self, compressor: ActivationCompressor) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def forward_context(self, compressor: ActivationCompressor) -> Iterator[None]:
-        model = compressor.model
-        if model is None or not compressor.config.bounded_ffn or is_bounded_ffn(model):
-            yield
-            return
-        convert_bounded_ffn(model)
-        try:
-            yield
-        finally:  # the graph built meanwhile keeps its fused nodes; the model is the user's again
-            unconvert_bounded_ffn(model)
+            self.unconvert(model)
 
 
 class CompiledModelWarning:
@@ -126,6 +109,8 @@ class HuggingFaceLayers:
             yield
 
 
-for _preparation in (BLPAConversion(), BoundedCNNConversion(), BoundedFFNConversion(), CompiledModelWarning(),
-                     HuggingFaceLayers(), FSDPParameters()):
+for _preparation in (BLPAConversion(),
+                     BoundedConversion("bounded_cnn", convert_bounded_cnn, is_bounded, unconvert_bounded_cnn),
+                     BoundedConversion("bounded_ffn", convert_bounded_ffn, is_bounded_ffn, unconvert_bounded_ffn),
+                     CompiledModelWarning(), HuggingFaceLayers(), FSDPParameters()):
     register_model_preparation(_preparation)
