@@ -19,7 +19,13 @@ the derivative is PyTorch's own formula), ``grad_x[rows] = grad_h @ W``, ``grad_
 ``grad_a``, ``grad_x`` and chunk-sized pieces (and a weight-sized partial product per chunk for 16-bit
 weights); no whole 4H-wide ``h`` or ``grad_h``.
 
-Gradients equal the unfused ones up to the order of the sums; the forward output is the unfused one bit for bit.
+Under saved-tensor hooks (an ``ActivationCompressor``, or torch checkpointing's) the forward runs by row chunks
+too: each chunk's ``h`` (and input) goes through the pack hook as soon as it is made, so the forward holds the output
+and chunk-sized pieces, never a whole ``h`` beside it (the pack hooks in effect are read with
+``torch._C._autograd._top_saved_tensors_default_hooks``; a torch without it runs the whole forward). Its row-blocked
+matmuls may round differently from the whole one. Without hooks, or when the Linear or the activation has forward
+hooks (they would run once per chunk), the forward is the unfused one bit for bit. Gradients equal the unfused ones
+up to the order of the sums.
 Not fused (left as they are): a Linear subclass, a Linear or activation with backward hooks (they would not
 fire inside the fused node), activations with parameters or ``inplace=True`` (except ReLU), and anything that is
 not a known elementwise activation (:func:`fusable_activation`). Forward hooks and forward pre-hooks of both
@@ -91,21 +97,44 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, features)
 
 
+def _forward_hooked(module) -> bool:
+    """Whether calling ``module`` runs forward hooks or pre-hooks (its own or the global ones): the chunked
+    forward would run them once per chunk."""
+    from torch.nn.modules import module as module_globals
+
+    return isinstance(module, nn.Module) and bool(
+        module._forward_hooks or module._forward_pre_hooks or module_globals._global_forward_hooks
+        or module_globals._global_forward_pre_hooks)
+
+
+def _saved_tensor_hooks():
+    """The ``(pack, unpack)`` pair of the innermost ``torch.autograd.graph.saved_tensors_hooks`` in effect (an
+    ``ActivationCompressor``'s, for one), or None: none in effect, or a torch without the accessor."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
 class _LinearAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, linear, act, chunk_bytes):
-        h = linear(x)  # the module: autocast casts x and the weight as unfused, its forward hooks run
         relu = _is_relu(act)
-        a = act(h)  # ReLU may write into h: only its signs are kept
-        device = h.device.type
+        device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.act, ctx.relu = act, relu
-        ctx.x_meta, ctx.h_dtype, ctx.features = (x.shape, x.dtype), h.dtype, (x.shape[-1], h.shape[-1])
         ctx.saves_x = bool(ctx.needs_input_grad[1])
+        out_features = weight.shape[0]
+        ctx.x_meta, ctx.features = (x.shape, x.dtype), (x.shape[-1], out_features)
+        x2 = _rows(x)
+        row_bytes = max(out_features, x.shape[-1], 1) * x.element_size()
+        ctx.bounds = bounds = row_bounds(x2.shape[0], chunk_rows(chunk_bytes, row_bytes))
+        hooks = _saved_tensor_hooks()
+        if hooks is not None and bounds and not (_forward_hooked(linear) or _forward_hooked(act)):
+            return _LinearAct._forward_by_chunks(ctx, x, x2, weight, linear, act, hooks)
+        ctx.packed = None
+        h = linear(x)  # the module: autocast casts x and the weight as unfused, its forward hooks run
+        a = act(h)  # ReLU may write into h: only its signs are kept
+        ctx.h_dtype = h.dtype
         h2 = _rows(a if relu else h)
-        n = h2.shape[0]
-        row_bytes = max(h2.shape[1] * h2.element_size(), x.shape[-1] * h2.element_size(), 1)
-        ctx.bounds = bounds = row_bounds(n, chunk_rows(chunk_bytes, row_bytes))
         saved = [weight]
         if ctx.saves_x:
             xc = _rows(x.to(h.dtype))  # what the Linear read (autocast's copy), for the weight gradient
@@ -118,6 +147,30 @@ class _LinearAct(torch.autograd.Function):
         return a
 
     @staticmethod
+    def _forward_by_chunks(ctx, x, x2, weight, linear, act, hooks):
+        """Under saved-tensor hooks (a compressor): the Linear and the activation run per row chunk, and each
+        chunk's saved tensors go through the pack hook at once, so no whole pre-activation ``h`` exists beside the
+        output. The row-blocked matmul may round differently from the whole one (the values saved are the
+        compressor's approximation in any case); without hooks the forward is the unfused one bit for bit."""
+        pack, ctx.unpack = hooks
+        ctx.save_for_backward(weight)
+        packed_x, packed_h, out = [], [], None
+        for start, stop in ctx.bounds:
+            xc = x2[start:stop]
+            h = linear(xc)
+            a = act(h)  # ReLU may write into h: only its signs are kept
+            if out is None:
+                out = a.new_empty(x2.shape[0], a.shape[-1])
+                ctx.h_dtype = h.dtype
+            out[start:stop] = a
+            if ctx.saves_x:
+                packed_x.append(pack(xc.to(h.dtype)))  # what the Linear read (autocast's copy)
+            packed_h.append(pack(pack_bits(a.reshape(-1) > 0) if ctx.relu else h))
+            del h, a
+        ctx.packed = (packed_x, packed_h)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_a):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -125,8 +178,12 @@ class _LinearAct(torch.autograd.Function):
         bounds, dtype = ctx.bounds, ctx.h_dtype
         x_shape, x_dtype = ctx.x_meta
         in_features, out_features = ctx.features
-        x_at = 1
-        h_at = x_at + (len(bounds) if ctx.saves_x else 0)
+        if ctx.packed is None:  # saved by save_for_backward: the weight, x's chunks, h's chunks
+            h_at = 1 + (len(bounds) if ctx.saves_x else 0)
+            x_chunk, h_chunk = (lambda i: unpack_saved(ctx, 1 + i)), (lambda i: unpack_saved(ctx, h_at + i))
+        else:  # packed one chunk at a time in the forward
+            packed_x, packed_h = ctx.packed
+            x_chunk, h_chunk = (lambda i: ctx.unpack(packed_x[i])), (lambda i: ctx.unpack(packed_h[i]))
         g2 = _rows(grad_a)
         device = grad_a.device
         grad_x = torch.empty(x_shape, dtype=x_dtype, device=device) if need_x else None
@@ -140,11 +197,11 @@ class _LinearAct(torch.autograd.Function):
             for i, (start, stop) in enumerate(bounds):
                 ga = g2[start:stop]
                 if ctx.relu:
-                    mask = unpack_bits(unpack_saved(ctx, h_at + i), (stop - start) * out_features)
+                    mask = unpack_bits(h_chunk(i), (stop - start) * out_features)
                     gh = torch.where(mask.view(stop - start, out_features), ga, 0)
                     del mask
                 else:
-                    hc = unpack_saved(ctx, h_at + i).detach().requires_grad_()
+                    hc = h_chunk(i).detach().requires_grad_()
                     # PyTorch's own derivative: the activation re-run on the chunk as in the forward (its
                     # autocast state), differentiated by autograd; no compressor sees this graph's saved tensors
                     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
@@ -156,7 +213,7 @@ class _LinearAct(torch.autograd.Function):
                 if need_x:
                     gx2[start:stop] = gh @ w
                 if need_w:
-                    xi = unpack_saved(ctx, x_at + i)
+                    xi = x_chunk(i)
                     if acc == dtype:
                         grad_w.addmm_(gh.t(), xi)
                     else:  # a 16-bit product per chunk, summed in float32
