@@ -11,11 +11,14 @@ among them the decoded saved tensors), and the largest holders.
     python benchmarks/bench_peak_ratio.py --models bert --bert-layers 4 12 --bits 4 2
     python benchmarks/bench_peak_ratio.py --models resnet50 resnet50-cl --resnet-batch 32 --resnet-size 224
     python benchmarks/bench_peak_ratio.py --models resnet50-cl resnet50-cl-bounded   # + convert_bounded_cnn
+    python benchmarks/bench_peak_ratio.py --models bert bert-ffn --attention default act_chunked  # + convert_bounded_ffn
     python benchmarks/bench_peak_ratio.py --tiny                # seconds: the code path (tests)
 
 Models (random weights and batches): ``BertForSequenceClassification`` from a config (``--bert-layers`` x
 ``--bert-hidden``, 4 heads, FFN 4x, ``models.bert``) at ``--bert-batch`` x ``--bert-seq`` with the attention
-implementation transformers picks by default (SDPA), eager attention and lightning_act's ``act_chunked``; ResNet-50
+implementation transformers picks by default (SDPA), eager attention and lightning_act's ``act_chunked``, each also
+converted by ``lightning_act.nn.convert_bounded_ffn`` (``bert-ffn``: the FFN's Linear -> GELU as one node whose
+backward holds two full tensors plus row chunks); ResNet-50
 (``lightning_act.models.resnet50``, 1000 classes) at ``--resnet-batch`` x ``--resnet-size``², contiguous and
 channels_last, each also converted by ``lightning_act.nn.convert_bounded_cnn`` (``-bounded``: Conv-BN-ReLU runs
 and residual merges whose backwards hold two full tensors). fp32 unless ``--autocast`` (bf16 autocast, the GPU
@@ -24,9 +27,9 @@ benchmark's setting).
 Two ratios: ``ratio`` is ``compressor.stats().ratio`` (what the compressor reports; a ReLU output stored both as
 its 1-bit mask and as the next layer's input counts twice in its original bytes), ``saved ratio`` the bytes the
 uncompressed step saves for backward, each storage once (counted by an L0 compressor), over the stored bytes.
-``peak ÷ / ratio`` uses the saved ratio. act_chunked and bounded rows also give peak ÷ against the plain model's
-uncompressed peak (default attention, unconverted ResNet: what a user without lightning_act has) when it is in
-the same run.
+``peak ÷ / ratio`` uses the saved ratio. act_chunked, bounded and bounded-FFN rows also give peak ÷ against the
+plain model's uncompressed peak (default attention unconverted, unconverted ResNet: what a user without
+lightning_act has) when it is in the same run.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from torch import nn
 import lightning_act as act
 from bench_gpu import Method, Prepared
 from lightning_act.models import resnet8, resnet50
-from lightning_act.nn import convert_bounded_cnn
+from lightning_act.nn import convert_bounded_cnn, convert_bounded_ffn
 from lightning_act.nn.attention import register_with_transformers
 from lightning_act.profiling import annotate_codecs, measure_step_memory, peak_breakdown
 from models import MachineLoad, bert, machine, publish
@@ -65,7 +68,7 @@ class Workload:
     variant: bool = False  # a conversion (act_chunked, bounded CNN): rows also compared with the plain baseline
 
 
-def bert_workload(args, layers: int, attention: str | None) -> Workload:
+def bert_workload(args, layers: int, attention: str | None, bounded_ffn: bool = False) -> Workload:
     if attention == "act_chunked":
         register_with_transformers()
     if args.tiny:
@@ -75,10 +78,12 @@ def bert_workload(args, layers: int, attention: str | None) -> Workload:
         model, loss_fn = bert(args.bert_batch, args.bert_seq, layers=layers, hidden=args.bert_hidden,
                               attn_implementation=attention)
         shape = f"{layers}x{args.bert_hidden}, {args.bert_batch}x{args.bert_seq}"
+    if bounded_ffn:
+        convert_bounded_ffn(model)
     used = model.config._attn_implementation
-    label = "default (" + used + ")" if attention is None else used
-    return Workload(f"BERT {shape}, {label}", model, loss_fn, f"bert{layers}", used, reference=attention is None,
-                    variant=used == "act_chunked")
+    label = ("default (" + used + ")" if attention is None else used) + (", bounded FFN" if bounded_ffn else "")
+    return Workload(f"BERT {shape}, {label}", model, loss_fn, f"bert{layers}", used,
+                    reference=attention is None and not bounded_ffn, variant=used == "act_chunked" or bounded_ffn)
 
 
 def resnet_workload(args, channels_last: bool, bounded: bool = False) -> Workload:
@@ -238,7 +243,8 @@ def breakdown_table(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["bert", "resnet50", "resnet50-cl"],
-                        choices=["bert", "resnet50", "resnet50-cl", "resnet50-bounded", "resnet50-cl-bounded"])
+                        choices=["bert", "bert-ffn", "resnet50", "resnet50-cl", "resnet50-bounded",
+                                 "resnet50-cl-bounded"])
     parser.add_argument("--attention", nargs="+", default=["default", "eager", "act_chunked"],
                         choices=["default", "eager", "act_chunked", "sdpa"])
     parser.add_argument("--bert-layers", nargs="+", type=int, default=[4, 12])
@@ -263,11 +269,11 @@ def main(argv=None) -> int:
     with MachineLoad() as load:
         started = time.perf_counter()
         for model in args.models:
-            if model == "bert":
+            if model in ("bert", "bert-ffn"):
                 for layers in ([2] if args.tiny else args.bert_layers):
                     for attention in args.attention:
                         rows += run_workload(bert_workload(args, layers, None if attention == "default" else
-                                                           attention), methods, args)
+                                                           attention, model == "bert-ffn"), methods, args)
             else:
                 rows += run_workload(resnet_workload(args, "-cl" in model, model.endswith("-bounded")), methods, args)
         minutes = (time.perf_counter() - started) / 60
@@ -282,7 +288,8 @@ def main(argv=None) -> int:
              "storage once) / stored bytes; peak: `measure_step_memory` (allocator events); peak ÷: the same "
              "model's uncompressed peak / this peak; peak ÷ / ratio: over the saved ratio (bold: the issue's 80% "
              "met); peak ÷ vs plain model: act_chunked rows against the default attention's uncompressed peak, "
-             "bounded rows (`lightning_act.nn.convert_bounded_cnn`) against the unconverted model's.", ""]
+             "bounded rows (`lightning_act.nn.convert_bounded_cnn`) against the unconverted model's, bounded FFN "
+             "rows (`lightning_act.nn.convert_bounded_ffn`) against the unconverted default attention's.", ""]
     lines += table(rows)
     if not args.no_breakdown:
         lines += ["", "What is alive at each peak (MiB; `peak_breakdown`): compressed = blocks the codecs allocated "

@@ -51,9 +51,9 @@ class ACTConfig:
     """How saved activations are compressed.
 
     The fields fall in three groups. The level and the engine: ``opt_level``, ``min_numel``, ``compress_masks``,
-    ``blpa_bits``, ``bounded_cnn``, ``swap``, ``checkpointing``, ``efficient_attention``. The codec: ``codec`` and
-    its options, given by the fields its class lists in ``config_fields`` (``bits``, ``group_size``,
-    ``stats_dtype``, ``seed``, ``backend``, ``error_bound``) and any other constructor argument in
+    ``blpa_bits``, ``bounded_cnn``, ``bounded_ffn``, ``swap``, ``checkpointing``, ``efficient_attention``. The
+    codec: ``codec`` and its options, given by the fields its class lists in ``config_fields`` (``bits``,
+    ``group_size``, ``stats_dtype``, ``seed``, ``backend``, ``error_bound``) and any other constructor argument in
     ``codec_options``. Auto-precision: ``adaptive``, ``adapt_interval``, ``bit_budget``, ``adapt_fraction``,
     ``alert_ratio``. The memory-budget mode: ``memory_budget``.
 
@@ -77,6 +77,11 @@ class ACTConfig:
         bounded_cnn: during each compressed forward, Conv2d -> BatchNorm2d (-> ReLU) runs of ``nn.Sequential``
             children and ``lightning_act.models``' residual merges run with backwards that hold two full
             tensors plus batch chunks (:func:`lightning_act.nn.convert_bounded_cnn`, undone when the forward
+            ends); off by default.
+        bounded_ffn: during each compressed forward, Linear -> elementwise activation pairs (HuggingFace's
+            ``BertIntermediate`` and its copies, consecutive ``nn.Sequential`` children) run as one node whose
+            backward holds the incoming and the outgoing gradient plus row chunks instead of the whole decoded
+            pre-activation and its gradient (:func:`lightning_act.nn.convert_bounded_ffn`, undone when the forward
             ends); off by default.
         seed: seed of the counter-based stochastic-rounding noise.
         backend: ``"auto"`` (CuPy kernels for CUDA tensors when CuPy imports, else torch), ``"torch"``, ``"cupy"``,
@@ -113,6 +118,7 @@ class ACTConfig:
     compress_masks: bool = True
     blpa_bits: int | None = None
     bounded_cnn: bool = False
+    bounded_ffn: bool = False
     seed: int = 0
     backend: str = "auto"
     error_bound: float | None = None
@@ -153,7 +159,8 @@ class ACTConfig:
         check_int("group_size", self.group_size, minimum=32, multiple_of=32)
         check_choice("stats_dtype", self.stats_dtype, STATS_DTYPES)
         check_int("min_numel", self.min_numel, minimum=0)
-        for flag in ("compress_masks", "bounded_cnn", "swap", "checkpointing", "efficient_attention", "side_stream"):
+        for flag in ("compress_masks", "bounded_cnn", "bounded_ffn", "swap", "checkpointing", "efficient_attention",
+                     "side_stream"):
             check_choice(flag, getattr(self, flag), (True, False))
         if self.side_stream and self.swap:
             raise ValueError(f"side_stream=True encodes on a side stream that swap=True's copies do not wait for; got "

@@ -5,6 +5,8 @@
   the compressor is built (``compressor.blpa_blocks`` says how many);
 * bounded CNN backwards: ``ACTConfig(bounded_cnn=True)`` converts Conv2d -> BatchNorm2d (-> ReLU) runs and
   residual merges (:func:`lightning_act.nn.convert_bounded_cnn`) for the duration of each forward;
+* bounded FFN backwards: ``ACTConfig(bounded_ffn=True)`` converts Linear -> activation pairs
+  (:func:`lightning_act.nn.convert_bounded_ffn`) for the duration of each forward;
 * ``torch.compile``: a compiled model gets a warning (its saved tensors are not compressed, pytorch#148222);
 * HuggingFace checkpointing: during each forward, layers that checkpoint go through the compressed checkpoint
   (all checkpointable layers at CB1/CB2), with a warning when the level asks for checkpointing and the model
@@ -27,6 +29,7 @@ from .fsdp import FSDPParameters
 from .nn.attention import use_chunked_attention
 from .nn.blpa import convert_bn_relu
 from .nn.bounded_cnn import convert_bounded_cnn, is_bounded, unconvert_bounded_cnn
+from .nn.bounded_ffn import convert_bounded_ffn, is_bounded_ffn, unconvert_bounded_ffn
 
 
 class BLPAConversion:
@@ -40,9 +43,12 @@ class BLPAConversion:
         return contextlib.nullcontext()
 
 
-class BoundedCNNConversion:
-    """Bounded Conv-BN-ReLU and residual-merge backwards during each forward (``ACTConfig.bounded_cnn``); a model
-    the user converted stays as it is."""
+class BoundedConversion:
+    """A bounded-backward conversion applied during each forward when its config flag is on
+    (``ACTConfig.bounded_cnn``, ``ACTConfig.bounded_ffn``); a model the user converted stays as it is."""
+
+    def __init__(self, flag: str, convert, is_converted, unconvert) -> None:
+        self.flag, self.convert, self.is_converted, self.unconvert = flag, convert, is_converted, unconvert
 
     def prepare(self, compressor: ActivationCompressor) -> None:
         pass
@@ -50,14 +56,14 @@ class BoundedCNNConversion:
     @contextlib.contextmanager
     def forward_context(self, compressor: ActivationCompressor) -> Iterator[None]:
         model = compressor.model
-        if model is None or not compressor.config.bounded_cnn or is_bounded(model):
+        if model is None or not getattr(compressor.config, self.flag) or self.is_converted(model):
             yield
             return
-        convert_bounded_cnn(model)
+        self.convert(model)
         try:
             yield
         finally:  # the graph built meanwhile keeps its bounded nodes; the model is the user's again
-            unconvert_bounded_cnn(model)
+            self.unconvert(model)
 
 
 class CompiledModelWarning:
@@ -103,5 +109,8 @@ class HuggingFaceLayers:
             yield
 
 
-for _preparation in (BLPAConversion(), BoundedCNNConversion(), CompiledModelWarning(), HuggingFaceLayers(), FSDPParameters()):
+for _preparation in (BLPAConversion(),
+                     BoundedConversion("bounded_cnn", convert_bounded_cnn, is_bounded, unconvert_bounded_cnn),
+                     BoundedConversion("bounded_ffn", convert_bounded_ffn, is_bounded_ffn, unconvert_bounded_ffn),
+                     CompiledModelWarning(), HuggingFaceLayers(), FSDPParameters()):
     register_model_preparation(_preparation)

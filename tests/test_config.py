@@ -28,6 +28,7 @@ def test_l0_means_no_compression():
     ("seed", -5, r"seed=-5"),
     ("blpa_bits", 2, r"blpa_bits=2; expected one of None, 4, 8"),
     ("bounded_cnn", "yes", r"bounded_cnn='yes'; expected one of True, False"),
+    ("bounded_ffn", "yes", r"bounded_ffn='yes'; expected one of True, False"),
     ("error_bound", 0.0, r"error_bound=0.0; expected a finite number > 0"),
     ("error_bound", float("nan"), r"error_bound=nan"),
 ])
