@@ -8,9 +8,10 @@ log-sum-exp and the mask exactly; its backward recomputes each chunk pair's prob
 a seed, so backward regenerates them instead of storing them. Memory is linear in the sequence length:
 besides its inputs, outputs and gradients, forward and backward hold a few chunk pairs at a time.
 
-Chunk sizes: by default a chunk pair holds as many scores as ``query`` has elements (``key_chunk`` up to
-1024 keys, ``query_chunk = seq * head_dim / key_chunk``), so attention's transients are the size of the
-activations around it, whatever the sequence length.
+Chunk sizes: by default a chunk pair's scores (float32, float64 for float64 inputs) take a quarter of ``query``'s
+bytes (``key_chunk`` up to 1024 keys, ``query_chunk`` the rows that fill that share), so attention's transients
+(the backward holds three chunk pairs: probabilities, dropped probabilities and their gradient) are below the size
+of the activations around it, whatever the sequence length or dtype.
 
 ``register_with_transformers()`` adds it to transformers' attention registry as ``"act_chunked"``, so a
 model built with ``attn_implementation="act_chunked"`` (or ``model.set_attn_implementation``) uses it.
@@ -27,12 +28,16 @@ from .._validate import check_int
 
 ATTENTION_NAME = "act_chunked"
 MAX_KEY_CHUNK = 1024
+SCORE_SHARE = 4  # a chunk pair's scores take 1 / SCORE_SHARE of query's bytes
 
 
 def default_chunks(query: torch.Tensor, key: torch.Tensor) -> tuple[int, int]:
-    """``(query_chunk, key_chunk)`` whose chunk pair of scores has at most as many elements as ``query``."""
+    """``(query_chunk, key_chunk)`` whose chunk pair of scores (in :func:`_acc_dtype`) takes at most a quarter of
+    ``query``'s bytes (one row of scores at least)."""
     key_chunk = max(1, min(key.shape[-2], MAX_KEY_CHUNK))
-    query_chunk = max(1, min(query.shape[-2], query.shape[-2] * query.shape[-1] // key_chunk))
+    score_size = torch.finfo(_acc_dtype(query.dtype)).bits // 8
+    scores = query.shape[-2] * query.shape[-1] * query.element_size() // (SCORE_SHARE * score_size)
+    query_chunk = max(1, min(query.shape[-2], scores // key_chunk))
     return query_chunk, key_chunk
 
 
