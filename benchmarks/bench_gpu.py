@@ -19,7 +19,8 @@ autocast, forward + backward + AdamW. ``--tiny``: a ResNet-8, a 2-layer BERT, a 
 thread.
 
 Configurations (``METHODS``): the baseline; ``ACTConfig`` L1 (auto-precision, one full round first), fixed 4 and
-2 bits, L1 and 4-bit with ``side_stream=True`` (encodes on a side stream), 4-bit with ``backend="compile"`` (the
+2 bits, 4-bit with ``bounded_cnn=True, bounded_ffn=True`` (the backwards of Conv-BN-ReLU runs, residual merges and
+Linear -> activation pairs bounded), L1 and 4-bit with ``side_stream=True`` (encodes on a side stream), 4-bit with ``backend="compile"`` (the
 torch path through ``torch.compile``, no CuPy kernels), ``division``, ``lorenzo`` (eb 1e-2), CB1 (4-bit compressed
 checkpointing: HF layers through the config, other models' blocks through ``lightning_act.checkpoint``), CB2 (CB1 +
 chunked attention, HF only); the peers torch checkpointing (``gradient_checkpointing_enable()`` for HF,
@@ -101,6 +102,8 @@ METHODS = {
     "4-bit, side stream": Method(act.ACTConfig(bits=4, adaptive=False, side_stream=True)),
     "4-bit, compile": Method(act.ACTConfig(bits=4, adaptive=False, backend="compile")),
     "2-bit": Method(act.ACTConfig(bits=2, adaptive=False)),
+    # Conv-BN-ReLU runs, residual merges and Linear -> activation pairs as nodes with bounded backwards (#17)
+    "4-bit, bounded": Method(act.ACTConfig(bits=4, adaptive=False, bounded_cnn=True, bounded_ffn=True)),
     "division": Method(act.ACTConfig(codec="division")),
     "lorenzo eb=1e-2": Method(act.ACTConfig(codec="lorenzo", error_bound=1e-2)),
     "CB1": Method(act.ACTConfig(opt_level="CB1", adaptive=False), checkpoint="compressed"),

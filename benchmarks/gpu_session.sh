@@ -29,7 +29,8 @@ echo "bench_gpu.py, issue #20's rows: exit $?, $(left) s left"
 if [ "$(left)" -gt 90 ]; then
     timeout "$(left)" python benchmarks/bench_gpu.py --time-budget $(( $(left) - 60 )) \
         --models bert-base resnet50-cl resnet50 gcn \
-        --configs baseline "L1, side stream" "4-bit, side stream" "4-bit, compile" division "lorenzo eb=1e-2" CB2 \
+        --configs baseline "4-bit, bounded" "L1, side stream" "4-bit, side stream" "4-bit, compile" division \
+        "lorenzo eb=1e-2" CB2 \
         "torch checkpoint" "memory budget" save_on_cpu --out "$out/gpu_more.md" > "$out/bench_gpu_more.log" 2>&1
     echo "bench_gpu.py, the other rows: exit $?, $(left) s left"
 fi
