@@ -1,35 +1,40 @@
-"""Linear -> elementwise activation (a transformer's first feed-forward layer: HuggingFace's ``BertIntermediate``,
-or ``nn.Linear`` followed by ``nn.GELU``/``nn.ReLU``/... in an ``nn.Sequential``) with a backward that holds the
-incoming and the outgoing gradient plus row chunks (issue #17 item 1: bounded backward transients).
+"""A transformer's feed-forward block, Linear -> elementwise activation (-> Linear), as one autograd node whose
+backward holds the incoming and the outgoing gradient plus row chunks (issue #17 item 1: bounded backward
+transients). Converted: HuggingFace's ``BertLayer``-shaped FFN (``intermediate.dense`` -> activation ->
+``output.dense``, then the output's dropout and LayerNorm as before), ``BertIntermediate``-shaped modules, and
+``nn.Linear`` -> ``nn.GELU``/``nn.ReLU``/... (-> ``nn.Linear``) runs in an ``nn.Sequential``.
 
-Unfused, autograd runs the pair's backward as two nodes. The activation's (``GeluBackward0``) holds the incoming
-gradient ``grad_a`` (4H wide), the decoded pre-activation ``h`` (4H wide: under an ``ActivationCompressor`` one
-whole decoded tensor) and its output ``grad_h`` (4H wide); the Linear's then turns ``grad_h`` into the input
-gradient. On BERT with chunked attention that node holds the step's peak.
+Unfused, autograd runs the block's backward as two or three nodes. The activation's (``GeluBackward0``) holds the
+incoming gradient ``grad_a`` (4H wide), the decoded pre-activation ``h`` (4H wide: under an
+``ActivationCompressor`` one whole decoded tensor) and its output ``grad_h`` (4H wide); the second Linear's holds
+its decoded input ``a`` (4H wide). On BERT with chunked attention these hold the step's peak.
 
-Here one autograd Function computes ``a = act(x @ W^T + b)`` with the modules themselves (the ``nn.Linear`` module
-is called, so autocast casts ``x`` and the weight as it would and the Linear's forward hooks run; then the
-activation module or function) and saves, per row chunk of the flattened ``(rows, features)`` view, the Linear's
-input in the dtype the Linear ran in (autocast's copy) and the pre-activation ``h``: each chunk a separate saved
-tensor, so the compressor stores and decodes them one at a time. ReLU saves ``h > 0`` bit-packed instead (1 bit,
-exact: the derivative needs nothing else). Its backward walks the chunks: decode ``h``'s chunk, ``grad_h =
-act'(h) * grad_a[rows]`` (by autograd on the chunk: the activation re-run under the forward's autocast state, so
-the derivative is PyTorch's own formula), ``grad_x[rows] = grad_h @ W``, ``grad_W += grad_h^T @ x[rows]``,
-``grad_b += grad_h.sum(0)`` (accumulated in float32 for 16-bit weights, else in the weight's dtype). It holds
-``grad_a``, ``grad_x`` and chunk-sized pieces (and a weight-sized partial product per chunk for 16-bit
-weights); no whole 4H-wide ``h`` or ``grad_h``.
+Here one autograd Function computes ``y = act(x @ W1^T + b1)`` (then ``@ W2^T + b2``) with the modules themselves
+(each ``nn.Linear`` module is called, so autocast casts as it would and forward hooks run; then the activation
+module or function) and saves, per row chunk of the flattened ``(rows, features)`` view, the first Linear's input
+in the dtype the Linear ran in (autocast's copy) and the pre-activation ``h``: each chunk a separate saved tensor,
+so the compressor stores and decodes them one at a time. ``a`` is not saved: the backward re-runs the activation
+on each decoded chunk of ``h`` (under the forward's autocast state, differentiated by autograd: PyTorch's own
+derivative), for the second Linear's weight gradient and for ``grad_h``. ReLU without a second Linear saves
+``h > 0`` bit-packed instead (1 bit, exact: the derivative needs nothing else). Per chunk: ``grad_a = grad_y @ W2``,
+``grad_W2 += grad_y^T @ a``, ``grad_h = act'(h) * grad_a``, ``grad_x[rows] = grad_h @ W1``, ``grad_W1 += grad_h^T @
+x[rows]``, bias gradients as sums (accumulated in float32 for 16-bit weights, else in the weight's dtype). It holds
+``grad_y``, ``grad_x`` and chunk-sized pieces (and a weight-sized partial product per chunk for 16-bit weights); no
+whole 4H-wide ``h``, ``a`` or their gradients.
 
 Under saved-tensor hooks (an ``ActivationCompressor``, or torch checkpointing's) the forward runs by row chunks
-too: each chunk's ``h`` (and input) goes through the pack hook as soon as it is made, so the forward holds the output
-and chunk-sized pieces, never a whole ``h`` beside it (the pack hooks in effect are read with
-``torch._C._autograd._top_saved_tensors_default_hooks``; a torch without it runs the whole forward). Its row-blocked
-matmuls may round differently from the whole one. Without hooks, or when the Linear or the activation has forward
-hooks (they would run once per chunk), the forward is the unfused one bit for bit. Gradients equal the unfused ones
-up to the order of the sums.
+too: each chunk's ``h`` (and input) goes through the pack hook as soon as it is made, so the forward holds the
+output and chunk-sized pieces, never a whole ``h`` or ``a`` (the pack hooks in effect are read with
+``torch._C._autograd._top_saved_tensors_default_hooks``; a torch without it runs the whole forward). Its
+row-blocked matmuls may round differently from the whole ones. Without hooks, or when a Linear or the activation
+has forward hooks (they would run once per chunk), the forward is the unfused one bit for bit. Gradients equal the
+unfused ones up to the order of the sums.
+
 Not fused (left as they are): a Linear subclass, a Linear or activation with backward hooks (they would not
 fire inside the fused node), activations with parameters or ``inplace=True`` (except ReLU), and anything that is
-not a known elementwise activation (:func:`fusable_activation`). Forward hooks and forward pre-hooks of both
-modules run (inside the fused node's forward); full backward hooks registered after conversion do not fire.
+not a known elementwise activation (:func:`fusable_activation`). Forward hooks and forward pre-hooks of the
+modules run (inside the fused node's forward); a ``BertLayer``'s intermediate or output with forward hooks runs as
+the class has it (the intermediate's pair still fused); full backward hooks registered after conversion do not fire.
 """
 from __future__ import annotations
 
@@ -75,8 +80,12 @@ def _has_backward_hooks(module: nn.Module) -> bool:
     return bool(module._backward_hooks or module._backward_pre_hooks)
 
 
+def _fusable_linear(linear) -> bool:
+    return type(linear) is nn.Linear and not _has_backward_hooks(linear)
+
+
 def _fusable(linear, act) -> bool:
-    return type(linear) is nn.Linear and not _has_backward_hooks(linear) and fusable_activation(act)
+    return _fusable_linear(linear) and fusable_activation(act)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -114,126 +123,162 @@ def _saved_tensor_hooks():
     return None if top is None else top(False)
 
 
-class _LinearAct(torch.autograd.Function):
+class _FeedForward(torch.autograd.Function):
+    """``y = act(x @ W1^T + b1)``, then ``@ W2^T + b2`` when a second Linear is given (``two``), saving per row chunk
+    the first Linear's input and the pre-activation ``h`` (ReLU without a second Linear: its signs, bit-packed).
+    The activation's output ``a`` is not saved: the backward re-runs the activation on each decoded chunk of ``h``
+    (for the second Linear's weight gradient and the activation's derivative)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, linear, act, chunk_bytes):
-        relu = _is_relu(act)
+    def forward(ctx, x, weight1, bias1, weight2, bias2, linear1, act, linear2, chunk_bytes):
+        ctx.two = linear2 is not None
+        ctx.relu = _is_relu(act)
+        ctx.signs = ctx.relu and not ctx.two  # the derivative needs nothing else; a second Linear needs a itself
         device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.act, ctx.relu = act, relu
+        ctx.act = act
         ctx.saves_x = bool(ctx.needs_input_grad[1])
-        out_features = weight.shape[0]
-        ctx.x_meta, ctx.features = (x.shape, x.dtype), (x.shape[-1], out_features)
+        hidden = weight1.shape[0]
+        out_features = weight2.shape[0] if ctx.two else hidden
+        ctx.x_meta, ctx.hidden = (x.shape, x.dtype), hidden
         x2 = _rows(x)
-        row_bytes = max(out_features, x.shape[-1], 1) * x.element_size()
+        row_bytes = max(hidden, x.shape[-1], out_features, 1) * x.element_size()
         ctx.bounds = bounds = row_bounds(x2.shape[0], chunk_rows(chunk_bytes, row_bytes))
         hooks = _saved_tensor_hooks()
-        if hooks is not None and bounds and not (_forward_hooked(linear) or _forward_hooked(act)):
-            return _LinearAct._forward_by_chunks(ctx, x, x2, weight, linear, act, hooks)
+        modules = (linear1, act, linear2)
+        if hooks is not None and bounds and not any(_forward_hooked(m) for m in modules):
+            return _FeedForward._forward_by_chunks(ctx, x, x2, (weight1, weight2), modules, hooks)
         ctx.packed = None
-        h = linear(x)  # the module: autocast casts x and the weight as unfused, its forward hooks run
-        a = act(h)  # ReLU may write into h: only its signs are kept
-        ctx.h_dtype = h.dtype
-        h2 = _rows(a if relu else h)
-        saved = [weight]
+        h = linear1(x)  # the module: autocast casts x and the weight as unfused, its forward hooks run
+        a = act(h)  # ReLU may write into h: then a is what is kept (same signs, and relu(a) = a)
+        y = linear2(a) if ctx.two else a
+        ctx.h_dtype, ctx.a_dtype, ctx.y_dtype = h.dtype, a.dtype, y.dtype
+        h2 = _rows(a if ctx.relu else h)
+        saved = [weight1, weight2] if ctx.two else [weight1]
         if ctx.saves_x:
             xc = _rows(x.to(h.dtype))  # what the Linear read (autocast's copy), for the weight gradient
             saved += [xc[start:stop] for start, stop in bounds]
-        if relu:
+        if ctx.signs:
             saved += [pack_bits(h2[start:stop].reshape(-1) > 0) for start, stop in bounds]
         else:
             saved += [h2[start:stop] for start, stop in bounds]
         ctx.save_for_backward(*saved)
-        return a
+        return y
 
     @staticmethod
-    def _forward_by_chunks(ctx, x, x2, weight, linear, act, hooks):
-        """Under saved-tensor hooks (a compressor): the Linear and the activation run per row chunk, and each
-        chunk's saved tensors go through the pack hook at once, so no whole pre-activation ``h`` exists beside the
-        output. The row-blocked matmul may round differently from the whole one (the values saved are the
+    def _forward_by_chunks(ctx, x, x2, weights, modules, hooks):
+        """Under saved-tensor hooks (a compressor): the modules run per row chunk, and each chunk's saved tensors
+        go through the pack hook at once, so no whole ``h`` (nor, with a second Linear, ``a``) exists beside the
+        output. The row-blocked matmuls may round differently from the whole ones (the values saved are the
         compressor's approximation in any case); without hooks the forward is the unfused one bit for bit."""
+        linear1, act, linear2 = modules
         pack, ctx.unpack = hooks
-        ctx.save_for_backward(weight)
+        ctx.save_for_backward(*(w for w in weights if w is not None))
         packed_x, packed_h, out = [], [], None
         for start, stop in ctx.bounds:
             xc = x2[start:stop]
-            h = linear(xc)
-            a = act(h)  # ReLU may write into h: only its signs are kept
+            h = linear1(xc)
+            a = act(h)
+            y = linear2(a) if ctx.two else a
             if out is None:
-                out = a.new_empty(x2.shape[0], a.shape[-1])
-                ctx.h_dtype = h.dtype
-            out[start:stop] = a
+                out = y.new_empty(x2.shape[0], y.shape[-1])
+                ctx.h_dtype, ctx.a_dtype, ctx.y_dtype = h.dtype, a.dtype, y.dtype
+            out[start:stop] = y
             if ctx.saves_x:
                 packed_x.append(pack(xc.to(h.dtype)))  # what the Linear read (autocast's copy)
-            packed_h.append(pack(pack_bits(a.reshape(-1) > 0) if ctx.relu else h))
-            del h, a
+            packed_h.append(pack(pack_bits(a.reshape(-1) > 0) if ctx.signs else a if ctx.relu else h))
+            del h, a, y
         ctx.packed = (packed_x, packed_h)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_a):
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        weight = unpack_saved(ctx, 0)
-        bounds, dtype = ctx.bounds, ctx.h_dtype
+    def backward(ctx, grad_y):
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_h = need_x or need_w1 or need_b1
+        weight1 = unpack_saved(ctx, 0)
+        weight2 = unpack_saved(ctx, 1) if ctx.two else None
+        bounds, dtype, hidden = ctx.bounds, ctx.h_dtype, ctx.hidden
         x_shape, x_dtype = ctx.x_meta
-        in_features, out_features = ctx.features
-        if ctx.packed is None:  # saved by save_for_backward: the weight, x's chunks, h's chunks
-            h_at = 1 + (len(bounds) if ctx.saves_x else 0)
-            x_chunk, h_chunk = (lambda i: unpack_saved(ctx, 1 + i)), (lambda i: unpack_saved(ctx, h_at + i))
+        if ctx.packed is None:  # saved by save_for_backward: the weights, x's chunks, h's chunks
+            x_at = 2 if ctx.two else 1
+            h_at = x_at + (len(bounds) if ctx.saves_x else 0)
+            x_chunk, h_chunk = (lambda i: unpack_saved(ctx, x_at + i)), (lambda i: unpack_saved(ctx, h_at + i))
         else:  # packed one chunk at a time in the forward
             packed_x, packed_h = ctx.packed
             x_chunk, h_chunk = (lambda i: ctx.unpack(packed_x[i])), (lambda i: ctx.unpack(packed_h[i]))
-        g2 = _rows(grad_a)
-        device = grad_a.device
+        g2 = _rows(grad_y)
+        device = grad_y.device
         grad_x = torch.empty(x_shape, dtype=x_dtype, device=device) if need_x else None
         gx2 = _rows(grad_x) if need_x else None
-        acc = _wide(weight.dtype)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(out_features, dtype=acc, device=weight.device) if need_b else None
+        zeros = lambda shape, like: torch.zeros(shape, dtype=_wide(like.dtype), device=like.device)  # noqa: E731
+        grad_w1 = zeros(weight1.shape, weight1) if need_w1 else None
+        grad_b1 = zeros(hidden, weight1) if need_b1 else None
+        grad_w2 = zeros(weight2.shape, weight2) if need_w2 else None
+        grad_b2 = zeros(weight2.shape[0], weight2) if need_b2 else None
         device_type, autocast, autocast_dtype = ctx.autocast
+        # the activation re-run as in the forward (its autocast state), never in place: PyTorch's own derivative
+        act = F.relu if ctx.relu else ctx.act
         with torch.autocast(device_type, enabled=False):
-            w = weight.to(dtype) if need_x else None
+            w1 = weight1.to(dtype) if need_x else None
+            w2 = weight2.to(ctx.y_dtype) if ctx.two and need_h else None
             for i, (start, stop) in enumerate(bounds):
-                ga = g2[start:stop]
-                if ctx.relu:
-                    mask = unpack_bits(h_chunk(i), (stop - start) * out_features)
-                    gh = torch.where(mask.view(stop - start, out_features), ga, 0)
+                gy = g2[start:stop]
+                if ctx.signs:
+                    mask = unpack_bits(h_chunk(i), (stop - start) * hidden)
+                    gh = torch.where(mask.view(stop - start, hidden), gy, 0)
                     del mask
                 else:
-                    hc = h_chunk(i).detach().requires_grad_()
-                    # PyTorch's own derivative: the activation re-run on the chunk as in the forward (its
-                    # autocast state), differentiated by autograd; no compressor sees this graph's saved tensors
+                    hc = h_chunk(i).detach().requires_grad_(need_h)
+                    # no compressor sees this graph's saved tensors
                     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), \
                             torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast):
-                        out = ctx.act(hc)
-                    gh, = torch.autograd.grad(out, hc, ga)
-                    del hc, out
+                        a = act(hc)
+                    ga = gy
+                    if ctx.two:
+                        gy = gy.to(ctx.y_dtype)
+                        _accumulate_(grad_w2, gy.t(), a.detach().to(ctx.y_dtype))
+                        if need_b2:
+                            grad_b2 += gy.sum(0, dtype=grad_b2.dtype)
+                        ga = (gy @ w2).to(ctx.a_dtype) if need_h else None
+                    gh = torch.autograd.grad(a, hc, ga)[0] if need_h else None
+                    del hc, a, ga
+                if gh is None:
+                    continue
                 gh = gh.to(dtype)
                 if need_x:
-                    gx2[start:stop] = gh @ w
-                if need_w:
-                    xi = x_chunk(i)
-                    if acc == dtype:
-                        grad_w.addmm_(gh.t(), xi)
-                    else:  # a 16-bit product per chunk, summed in float32
-                        grad_w += gh.t() @ xi
-                    del xi
-                if need_b:
-                    grad_b += gh.sum(0, dtype=acc)
-                del gh, ga
-        cast = lambda t: None if t is None else t.to(weight.dtype)  # noqa: E731
-        return grad_x, cast(grad_w), cast(grad_b), None, None, None
+                    gx2[start:stop] = gh @ w1
+                if need_w1:
+                    _accumulate_(grad_w1, gh.t(), x_chunk(i))
+                if need_b1:
+                    grad_b1 += gh.sum(0, dtype=grad_b1.dtype)
+                del gh, gy
+        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+        return (grad_x, cast(grad_w1, weight1), cast(grad_b1, weight1), cast(grad_w2, weight2),
+                cast(grad_b2, weight2), None, None, None, None)
 
 
-def linear_act(x: torch.Tensor, linear: nn.Linear, act, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES) -> torch.Tensor:
-    """``act(linear(x))`` with the bounded backward of the module docstring; row chunks of about ``chunk_bytes``
-    (of the wider of ``x`` and the output per row). Without autograd (no gradient wanted) the modules run as they
-    are and nothing is saved."""
-    params = (linear.weight, linear.bias)
+def _accumulate_(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` (``acc`` None: nothing wanted): in place when the dtypes agree, else a product per chunk
+    (16-bit) summed in ``acc``'s float32."""
+    if acc is None:
+        return
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += a @ b
+
+
+def linear_act(x: torch.Tensor, linear: nn.Linear, act, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES,
+               output: nn.Linear | None = None) -> torch.Tensor:
+    """``act(linear(x))``, then ``output(...)`` when given (a transformer's whole FFN), with the bounded backward of
+    the module docstring; row chunks of about ``chunk_bytes`` (of the widest of ``x``, the hidden and the output
+    per row). Without autograd (no gradient wanted) the modules run as they are and nothing is saved."""
+    params = (linear.weight, linear.bias) + ((output.weight, output.bias) if output is not None else (None, None))
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
-        return _LinearAct.apply(x, linear.weight, linear.bias, linear, act, chunk_bytes)
-    return act(linear(x))
+        return _FeedForward.apply(x, *params, linear, act, output, chunk_bytes)
+    y = act(linear(x))
+    return y if output is None else output(y)
 
 
 # ---- conversion -------------------------------------------------------------------------------------------------
@@ -255,6 +300,41 @@ def _is_intermediate(module: nn.Module) -> bool:
     body, bytecode for bytecode: the copies HuggingFace makes of it for RoBERTa, ViT, ... qualify)."""
     return (_same_code(type(module).forward, _intermediate_reference)
             and _fusable(getattr(module, "dense", None), getattr(module, "intermediate_act_fn", None)))
+
+
+def _layer_reference(self, attention_output):  # BertLayer.feed_forward_chunk's body
+    intermediate_output = self.intermediate(attention_output)
+    layer_output = self.output(intermediate_output, attention_output)
+    return layer_output
+
+
+def _output_reference(self, hidden_states, input_tensor):  # BertOutput.forward's body
+    hidden_states = self.dense(hidden_states)
+    hidden_states = self.dropout(hidden_states)
+    hidden_states = self.LayerNorm(hidden_states + input_tensor)
+    return hidden_states
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """A ``BertLayer``-shaped module: its ``feed_forward_chunk`` runs a ``BertIntermediate``-shaped ``intermediate``
+    and a ``BertOutput``-shaped ``output`` (dense, dropout, LayerNorm of the sum with the input), bytecode for
+    bytecode, whose ``dense`` is a plain Linear."""
+    output = getattr(module, "output", None)
+    return (_same_code(getattr(type(module), "feed_forward_chunk", None), _layer_reference)
+            and _is_intermediate(getattr(module, "intermediate", None))
+            and _same_code(getattr(type(output), "forward", None), _output_reference)
+            and _fusable_linear(getattr(output, "dense", None)))
+
+
+def _layer_feed_forward(self, attention_output):
+    """The layer's whole FFN (dense -> activation -> dense) as one node, then the output's dropout and LayerNorm;
+    the class's own when the intermediate or the output has forward hooks (they run only through the modules)."""
+    intermediate, output = self.intermediate, self.output
+    if _forward_hooked(intermediate) or _forward_hooked(output):
+        return type(self).feed_forward_chunk(self, attention_output)
+    hidden = linear_act(attention_output, intermediate.dense, intermediate.intermediate_act_fn,
+                        self._bounded_ffn_chunk_bytes, output=output.dense)
+    return output.LayerNorm(output.dropout(hidden) + attention_output)
 
 
 def _intermediate_forward(self, hidden_states):
@@ -279,19 +359,32 @@ def _sequential_forward(self, x):
                     x = module(x)
             if not pair:
                 break
-            x = linear_act(x, modules[i], modules[i + 1], chunk_bytes)
-            i = start = i + 2
+            output = modules[i + 2] if _closes_pair(modules, i) else None
+            x = linear_act(x, modules[i], modules[i + 1], chunk_bytes, output=output)
+            i = start = i + (2 if output is None else 3)
         else:
             i += 1
     return x
 
 
-_FORWARDS = (_intermediate_forward, _sequential_forward)
+def _closes_pair(modules: list, i: int) -> bool:
+    """Whether the pair at ``i`` is followed by a plain Linear that does not start a pair of its own: the three
+    run as one node (a transformer's whole FFN)."""
+    return (i + 2 < len(modules) and _fusable_linear(modules[i + 2])
+            and not (i + 3 < len(modules) and _fusable(modules[i + 2], modules[i + 3])))
 
 
-def _converted(module: nn.Module) -> bool:
-    forward = module.__dict__.get("forward")
-    return getattr(forward, "__func__", None) in _FORWARDS and getattr(forward, "__self__", None) is module
+# the instance methods a conversion sets: (attribute, the functions it may be bound to)
+_PATCHED = (("forward", (_intermediate_forward, _sequential_forward)), ("feed_forward_chunk", (_layer_feed_forward,)))
+
+
+def _patched(module: nn.Module) -> str | None:
+    """The attribute :func:`convert_bounded_ffn` set on ``module`` (None: not converted)."""
+    for name, functions in _PATCHED:
+        method = module.__dict__.get(name)
+        if getattr(method, "__func__", None) in functions and getattr(method, "__self__", None) is module:
+            return name
+    return None
 
 
 def _pairs(module: nn.Module) -> int:
@@ -310,14 +403,18 @@ def _pairs(module: nn.Module) -> int:
 
 def convert_bounded_ffn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES) -> int:
     """Give ``model``'s Linear -> elementwise activation pairs (``BertIntermediate``-shaped modules and
-    consecutive children of ``nn.Sequential`` containers, the model itself included) the bounded backward of the
-    module docstring, in place: the containers get an instance ``forward`` (their class, children, parameters,
-    module names and ``state_dict`` stay). Returns how many pairs changed; :func:`unconvert_bounded_ffn` undoes
-    it. ``chunk_bytes``: bytes of one row chunk of a saved tensor (int or ``"4MiB"``); bad values raise
+    consecutive children of ``nn.Sequential`` containers, the model itself included; with the Linear after them in
+    a ``BertLayer``-shaped module, or in the Sequential when it starts no pair of its own) the bounded backward of
+    the module docstring, in place: the containers get an instance ``forward`` (layers: ``feed_forward_chunk``;
+    their class, children, parameters, module names and ``state_dict`` stay). Returns how many pairs changed;
+    :func:`unconvert_bounded_ffn` undoes it. ``chunk_bytes``: bytes of one row chunk of a saved tensor (int or ``"4MiB"``); bad values raise
     ``ValueError`` naming them."""
     chunk_rows(chunk_bytes, 1)
     changed = 0
     for module in model.modules():
+        if _is_layer(module):  # its pair is counted at its intermediate
+            module.feed_forward_chunk = types.MethodType(_layer_feed_forward, module)
+            module._bounded_ffn_chunk_bytes = chunk_bytes
         pairs = _pairs(module)
         if pairs:
             forward = _intermediate_forward if _is_intermediate(module) else _sequential_forward
@@ -329,14 +426,17 @@ def convert_bounded_ffn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK
 
 def is_bounded_ffn(model: nn.Module) -> bool:
     """Whether :func:`convert_bounded_ffn` changed something in ``model`` that is not undone."""
-    return any(_converted(m) for m in model.modules())
+    return any(_patched(m) for m in model.modules())
 
 
 def unconvert_bounded_ffn(model: nn.Module) -> int:
-    """Undo :func:`convert_bounded_ffn` on ``model``; returns how many containers were restored."""
+    """Undo :func:`convert_bounded_ffn` on ``model``; returns how many modules were restored (containers of pairs
+    and layers)."""
     restored = 0
     for module in model.modules():
-        if _converted(module):
-            del module.forward, module._bounded_ffn_chunk_bytes
+        name = _patched(module)
+        if name is not None:
+            delattr(module, name)
+            del module._bounded_ffn_chunk_bytes
             restored += 1
     return restored
