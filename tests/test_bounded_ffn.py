@@ -396,8 +396,9 @@ def test_forward_under_a_compressor_holds_no_whole_pre_activation(activation, se
 
 def test_forward_hooks_under_a_compressor_run_once():
     """A hooked Linear or activation keeps the whole forward (chunks would run the hooks once per chunk)."""
-    for hooked in (0, 1):
-        model = _mlp()
+    for hooked in (0, 1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Linear(48, 5))
         reference = copy.deepcopy(model)
         act.nn.convert_bounded_ffn(model, chunk_bytes=4 * 48 * 4)
         calls = []
@@ -406,10 +407,11 @@ def test_forward_hooks_under_a_compressor_run_once():
         x = torch.randn(10, 12, requires_grad=True)
         with compressor.compress():
             out = model(x)
-        assert calls == [(10, 48)]
-        assert torch.equal(out, reference(x))  # the whole matmul, as unfused
+        assert out.grad_fn.name() == "_FeedForwardBackward"
+        assert calls == [(10, 5 if hooked == 2 else 48)]
+        assert torch.equal(out, reference(x))  # the whole matmuls, as unfused
         out.sum().backward()
-        assert model[0].weight.grad is not None
+        assert model[0].weight.grad is not None and model[2].weight.grad is not None
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
