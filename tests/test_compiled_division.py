@@ -124,9 +124,11 @@ def test_codec_round_trips_linear_rows_and_one_element_as_the_torch_backend():
 
 
 def test_encode_and_decode_allocate_their_results_and_chunk_sized_workspaces():
-    """As on the torch path (tests/test_transients.py): a 16 MiB input costs its outputs plus workspaces of a graph
-    call's size (the codes, the unpacking's scratch and inductor's buffers), not of the tensor's."""
+    """As on the torch path (tests/test_transients.py): a 64 MiB input costs its outputs plus workspaces of a graph
+    call's size (the codes, the unpacking's scratch and inductor's buffers), not of the tensor's: measured 3 MiB
+    (encode and decode) with one torch thread, 6 with two, for 16 and 64 MiB inputs alike (decode held a quarter of
+    the tensor more when its NaN check ran over the whole statistics of these 130-element planes)."""
     spatial = VARIANTS[0][0]
-    slack = max(2 * 2**20, 24 * quantize_format.chunk_elements(CPU))
+    slack = 40 * quantize_format.chunk_elements(CPU)  # 5 MiB per thread, a graph call being 4 x 2**17 elements
     codec = act.codecs.get("division", backend="compile")
-    assert_peaks_within(codec, torch.randn((1 << 22) // math.prod(spatial), *spatial), slack)
+    assert_peaks_within(codec, torch.randn((1 << 24) // math.prod(spatial), *spatial), slack)

@@ -250,10 +250,13 @@ def decode_groups(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, b
 def may_decode_nan(*stats: torch.Tensor) -> bool:
     """Whether a decode with these statistics can produce NaN. With finite ``mn`` and ``step`` it cannot
     (``mn + q * step`` is finite or +inf); answered on the host for CPU tensors only: True on other devices,
-    where the answer would cost a synchronisation."""
+    where the answer would cost a synchronisation. Checked chunk by chunk: the test's temporaries are a chunk's,
+    not the statistics' (as large as a quarter of the decoded tensor for small groups or planes)."""
     if stats[0].device.type != "cpu":
         return True
-    return not all(bool(torch.isfinite(s).all()) for s in stats)
+    chunk = chunk_elements(stats[0].device)
+    return not all(bool(torch.isfinite(flat[i:i + chunk]).all())
+                   for flat in (s.reshape(-1) for s in stats) for i in range(0, flat.numel(), chunk))
 
 
 def encoded_buffers(n: int, bits: int, group_size: int, stats_dtype: torch.dtype,
