@@ -458,3 +458,18 @@ def test_bert_layer_ffn_is_one_node_and_hooks_keep_the_modules():
     out = layer.feed_forward_chunk(x)
     assert calls == [(2, 5, 32)]  # through the modules: the intermediate's pair fused, the output's Linear not
     assert torch.equal(out, reference.bert.encoder.layer[0].feed_forward_chunk(x))
+
+
+def test_auto_chunks_are_4mib_on_cpu_and_at_most_eight_off_cpu():
+    """The default chunk policy of the bounded nodes (nn._chunks.chunk_rows): 4 MiB chunks; off CPU (a meta tensor
+    stands in for a GPU's) no more than 8 chunks of a tensor, as each costs kernel launches; an explicit size is
+    taken as given."""
+    from lightning_act.nn._chunks import chunk_rows
+
+    row = 2**20
+    assert chunk_rows("auto", row) == chunk_rows("auto", row, torch.empty(4096, 1)) == 4
+    assert chunk_rows("auto", row, torch.empty(4096, 1, device="meta")) == 512
+    assert chunk_rows("auto", row, torch.empty(20, 1, device="meta")) == 4  # few rows: 4 MiB chunks still
+    assert chunk_rows("4MiB", row, torch.empty(4096, 1, device="meta")) == 4
+    with pytest.raises(ValueError, match="chunk_bytes='big'.*or 'auto'"):
+        chunk_rows("big", row)

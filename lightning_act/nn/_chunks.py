@@ -11,13 +11,27 @@ import torch
 
 from .._validate import parse_bytes
 
-DEFAULT_CHUNK_BYTES = 4 * 2**20
+DEFAULT_CHUNK_BYTES = "auto"
+AUTO_CHUNK_BYTES = 4 * 2**20
+# off CPU each chunk costs its kernel launches on the host: "auto" makes at most this many chunks of a tensor there
+AUTO_MAX_CHUNKS = 8
 
 
-def chunk_rows(chunk_bytes: int | str, row_bytes: int) -> int:
+def chunk_rows(chunk_bytes: int | str, row_bytes: int, like: torch.Tensor | None = None) -> int:
     """Rows per chunk: as many rows of ``row_bytes`` as fit in ``chunk_bytes`` (an int or a size such as
-    ``"4MiB"``), at least one. Bad sizes raise ``ValueError`` naming the value."""
-    return max(1, parse_bytes("chunk_bytes", chunk_bytes) // max(1, row_bytes))
+    ``"4MiB"``), at least one. ``"auto"``: ``AUTO_CHUNK_BYTES``, and for a tensor ``like`` (rows along dim 0) off
+    CPU at most ``AUTO_MAX_CHUNKS`` chunks (a GPU's large tensors in a few large chunks rather than many kernel
+    launches). Bad sizes raise ``ValueError`` naming the value."""
+    if chunk_bytes == "auto":
+        rows = AUTO_CHUNK_BYTES // max(1, row_bytes)
+        if like is not None and like.device.type != "cpu" and like.dim():
+            rows = max(rows, -(-like.shape[0] // AUTO_MAX_CHUNKS))
+        return max(1, rows)
+    try:
+        nbytes = parse_bytes("chunk_bytes", chunk_bytes)
+    except ValueError as error:
+        raise ValueError(f"{error}, or 'auto'") from None
+    return max(1, nbytes // max(1, row_bytes))
 
 
 def row_bounds(n: int, rows: int) -> list[tuple[int, int]]:

@@ -113,7 +113,7 @@ class _Fork(torch.autograd.Function):
         ctx.mean, ctx.invstd, ctx.batch_stats = _channel(mean.to(wide)), _channel(invstd.to(wide)), batch_stats
         ctx.conv, ctx.relu, ctx.identity, ctx.x_meta = conv, relu, identity, (x.shape, x.dtype, _channels_last(x))
         xc = x.to(z.dtype)  # what the convolution read (autocast's copy), saved for its weight gradient
-        rows = chunk_rows(chunk_bytes, max(z[0].numel() * z.element_size(), xc[0].numel() * xc.element_size(), 1))
+        rows = chunk_rows(chunk_bytes, max(z[0].numel() * z.element_size(), xc[0].numel() * xc.element_size(), 1), z)
         ctx.bounds, ctx.z_cl, ctx.xc_cl = row_bounds(z.shape[0], rows), _channels_last(z), _channels_last(xc)
         ctx.z_shape, ctx.conv_dtype, ctx.out_cl = z.shape, z.dtype, _channels_last(out)
         ctx.bn_dtype = (gamma if gamma is not None else beta if beta is not None else z).dtype
@@ -234,7 +234,7 @@ class _AddReLU(torch.autograd.Function):
             out = a.add_(b).relu_()
         else:
             out = torch.add(a, b).relu_()
-        rows = chunk_rows(chunk_bytes, max(out[0].numel() * out.element_size(), 1))
+        rows = chunk_rows(chunk_bytes, max(out[0].numel() * out.element_size(), 1), out)
         ctx.bounds, ctx.cl, ctx.dtypes = row_bounds(out.shape[0], rows), _channels_last(out), (a.dtype, b.dtype)
         ctx.save_for_backward(*_signs(out, rows, ctx.cl))
         return out
@@ -323,8 +323,8 @@ def convert_bounded_cnn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK
     itself included) and its :class:`ResidualReLU` merges the bounded backward of the module docstring, in
     place: the containers become :class:`BoundedSequential` (same children, parameters and ``state_dict``), the
     merges are flagged. Returns how many runs and merges changed; :func:`unconvert_bounded_cnn` undoes it.
-    ``chunk_bytes``: bytes of one batch chunk of a saved tensor (int or ``"4MiB"``); bad values raise
-    ``ValueError`` naming them."""
+    ``chunk_bytes``: bytes of one batch chunk of a saved tensor (int, ``"4MiB"``, or the default ``"auto"``: 4 MiB,
+    at most 8 chunks off CPU); bad values raise ``ValueError`` naming them."""
     chunk_rows(chunk_bytes, 1)
     changed = 0
     for module in model.modules():

@@ -143,7 +143,7 @@ class _FeedForward(torch.autograd.Function):
         ctx.x_meta, ctx.hidden = (x.shape, x.dtype), hidden
         x2 = _rows(x)
         row_bytes = max(hidden, x.shape[-1], out_features, 1) * x.element_size()
-        ctx.bounds = bounds = row_bounds(x2.shape[0], chunk_rows(chunk_bytes, row_bytes))
+        ctx.bounds = bounds = row_bounds(x2.shape[0], chunk_rows(chunk_bytes, row_bytes, x2))
         hooks = _saved_tensor_hooks()
         modules = (linear1, act, linear2)
         if hooks is not None and bounds and not any(_forward_hooked(m) for m in modules):
@@ -407,8 +407,9 @@ def convert_bounded_ffn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK
     a ``BertLayer``-shaped module, or in the Sequential when it starts no pair of its own) the bounded backward of
     the module docstring, in place: the containers get an instance ``forward`` (layers: ``feed_forward_chunk``;
     their class, children, parameters, module names and ``state_dict`` stay). Returns how many pairs changed;
-    :func:`unconvert_bounded_ffn` undoes it. ``chunk_bytes``: bytes of one row chunk of a saved tensor (int or ``"4MiB"``); bad values raise
-    ``ValueError`` naming them."""
+    :func:`unconvert_bounded_ffn` undoes it. ``chunk_bytes``: bytes of one row chunk of a saved tensor (int,
+    ``"4MiB"``, or the default ``"auto"``: 4 MiB, at most 8 chunks off CPU); bad values raise ``ValueError`` naming
+    them."""
     chunk_rows(chunk_bytes, 1)
     changed = 0
     for module in model.modules():

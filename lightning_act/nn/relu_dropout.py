@@ -67,13 +67,14 @@ def relu_dropout(x: torch.Tensor, p: float, training: bool = True,
     p = float(p) if training else 0.0
     if x.dim() == 0:
         return torch.relu(x) if p == 0 else nn.functional.dropout(torch.relu(x), p)
-    rows = chunk_rows(chunk_bytes, x[0].numel() * x.element_size())
+    rows = chunk_rows(chunk_bytes, x[0].numel() * x.element_size(), x)
     return _ReLUDropout.apply(x, p, rows)
 
 
 class ReLUDropout(nn.Module):
     """Drop-in for ``nn.Sequential(nn.ReLU(), nn.Dropout(p))`` whose backward holds two tensors of the input's
-    size instead of three (module docstring). ``chunk_bytes``: bytes of one row chunk, int or ``"4MiB"``."""
+    size instead of three (module docstring). ``chunk_bytes``: bytes of one row chunk, int, ``"4MiB"``, or the
+    default ``"auto"`` (4 MiB, at most 8 chunks off CPU)."""
 
     def __init__(self, p: float = 0.5, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES):
         super().__init__()
