@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats._bitpack import pack_bits, unpack_bits
+from .. import module_tree
 from ._chunks import DEFAULT_CHUNK_BYTES, chunk_rows, row_bounds, unpack_saved
 
 __all__ = ["BoundedSequential", "ResidualReLU", "conv_bn_act", "convert_bounded_cnn", "is_bounded",
@@ -327,7 +328,7 @@ def convert_bounded_cnn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK
     at most 8 chunks off CPU); bad values raise ``ValueError`` naming them."""
     chunk_rows(chunk_bytes, 1)
     changed = 0
-    for module in model.modules():
+    for module in module_tree.modules(model):
         if type(module) is nn.Sequential or type(module) is BoundedSequential:
             modules = list(module._modules.values())
             runs = sum(_fusable(a, b) for a, b in zip(modules, modules[1:]))
@@ -343,13 +344,14 @@ def convert_bounded_cnn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK
 
 def is_bounded(model: nn.Module) -> bool:
     """Whether :func:`convert_bounded_cnn` changed something in ``model`` that is not undone."""
-    return any(type(m) is BoundedSequential or (isinstance(m, ResidualReLU) and m.bounded) for m in model.modules())
+    return any(type(m) is BoundedSequential or (isinstance(m, ResidualReLU) and m.bounded)
+               for m in module_tree.modules(model))
 
 
 def unconvert_bounded_cnn(model: nn.Module) -> int:
     """Undo :func:`convert_bounded_cnn` on ``model``; returns how many containers and merges were restored."""
     restored = 0
-    for module in model.modules():
+    for module in module_tree.modules(model):
         if type(module) is BoundedSequential:
             module.__class__ = nn.Sequential
             del module.chunk_bytes

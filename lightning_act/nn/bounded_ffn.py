@@ -38,6 +38,7 @@ the class has it (the intermediate's pair still fused); full backward hooks regi
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -45,6 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..formats._bitpack import pack_bits, unpack_bits
+from .. import module_tree
 from ._chunks import DEFAULT_CHUNK_BYTES, chunk_rows, row_bounds, unpack_saved
 from .bounded_cnn import BoundedSequential, _sequence
 
@@ -289,8 +291,15 @@ def _intermediate_reference(self, hidden_states):  # BertIntermediate.forward's 
     return hidden_states
 
 
-def _same_code(fn, reference) -> bool:
-    code, ref = getattr(fn, "__code__", None), reference.__code__
+def _same_code(cls: type, method: str, reference) -> bool:
+    """Whether ``cls``'s ``method`` has ``reference``'s bytecode (memoised per class: a compressed forward converts
+    and unconverts the model each step)."""
+    return _method_is(cls, method, reference.__code__)
+
+
+@functools.lru_cache(maxsize=None)
+def _method_is(cls: type, method: str, ref) -> bool:
+    code = getattr(getattr(cls, method, None), "__code__", None)
     return code is not None and all(getattr(code, name) == getattr(ref, name) for name in
                                     ("co_code", "co_names", "co_varnames", "co_consts", "co_argcount"))
 
@@ -298,7 +307,7 @@ def _same_code(fn, reference) -> bool:
 def _is_intermediate(module: nn.Module) -> bool:
     """A ``BertIntermediate``-shaped module: ``dense`` then ``intermediate_act_fn`` (its class's forward is that
     body, bytecode for bytecode: the copies HuggingFace makes of it for RoBERTa, ViT, ... qualify)."""
-    return (_same_code(type(module).forward, _intermediate_reference)
+    return (_same_code(type(module), "forward", _intermediate_reference)
             and _fusable(getattr(module, "dense", None), getattr(module, "intermediate_act_fn", None)))
 
 
@@ -320,9 +329,9 @@ def _is_layer(module: nn.Module) -> bool:
     and a ``BertOutput``-shaped ``output`` (dense, dropout, LayerNorm of the sum with the input), bytecode for
     bytecode, whose ``dense`` is a plain Linear."""
     output = getattr(module, "output", None)
-    return (_same_code(getattr(type(module), "feed_forward_chunk", None), _layer_reference)
+    return (_same_code(type(module), "feed_forward_chunk", _layer_reference)
             and _is_intermediate(getattr(module, "intermediate", None))
-            and _same_code(getattr(type(output), "forward", None), _output_reference)
+            and _same_code(type(output), "forward", _output_reference)
             and _fusable_linear(getattr(output, "dense", None)))
 
 
@@ -412,7 +421,7 @@ def convert_bounded_ffn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK
     them."""
     chunk_rows(chunk_bytes, 1)
     changed = 0
-    for module in model.modules():
+    for module in module_tree.modules(model):
         if _is_layer(module):  # its pair is counted at its intermediate
             module.feed_forward_chunk = types.MethodType(_layer_feed_forward, module)
             module._bounded_ffn_chunk_bytes = chunk_bytes
@@ -427,14 +436,14 @@ def convert_bounded_ffn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK
 
 def is_bounded_ffn(model: nn.Module) -> bool:
     """Whether :func:`convert_bounded_ffn` changed something in ``model`` that is not undone."""
-    return any(_patched(m) for m in model.modules())
+    return any(_patched(m) for m in module_tree.modules(model))
 
 
 def unconvert_bounded_ffn(model: nn.Module) -> int:
     """Undo :func:`convert_bounded_ffn` on ``model``; returns how many modules were restored (containers of pairs
     and layers)."""
     restored = 0
-    for module in model.modules():
+    for module in module_tree.modules(model):
         name = _patched(module)
         if name is not None:
             delattr(module, name)
