@@ -199,7 +199,7 @@ def test_unfusable_pairs_are_left_as_they_are():
 def test_forward_hooks_run_and_no_grad_saves_nothing():
     reference = _mlp()
     converted = copy.deepcopy(reference)
-    act.nn.convert_bounded_ffn(converted)
+    act.nn.convert_bounded_ffn(converted, chunk_bytes=4 * 48 * 4)
     calls = []
     converted[0].register_forward_hook(lambda m, i, o: calls.append(("linear", o.shape)))
     converted[1].register_forward_pre_hook(lambda m, i: calls.append(("act", i[0].shape)))
@@ -283,7 +283,9 @@ def test_bad_chunk_bytes_name_the_value(chunk_bytes):
 def test_config_flag_converts_during_the_forward_only_and_compresses_the_chunks():
     model = _bert()
     plain = copy.deepcopy(model)
-    ids, labels = torch.randint(0, 99, (4, 32)), torch.randint(0, 2, (4,))
+    # 9600 rows: two chunks of the default 4 MiB (8192 rows of the 128-wide pre-activation; one chunk would run
+    # unfused)
+    ids, labels = torch.randint(0, 99, (300, 32)), torch.randint(0, 2, (300,))
     exact = _bert_step(plain, ids, labels)[1]
     errors, shapes = {}, {}
     for bounded in (False, True):
@@ -297,10 +299,9 @@ def test_config_flag_converts_during_the_forward_only_and_compresses_the_chunks(
         errors[bounded] = max(((grads[n] - g).abs().max() / g.abs().max()).item()
                               for n, g in exact.items() if g.dim() > 1)
         shapes[bounded] = {tuple(r.shape) for r in compressor.stats().records if r.kind == "compressed"}
-    # GELU saves the whole 3D pre-activation; the fused node its chunks (4 x 32 rows: one 4 MiB chunk here) and
-    # its input's, all compressed
-    assert (4, 32, 128) in shapes[False] and (4, 32, 128) not in shapes[True]
-    assert (128, 128) in shapes[True] and (128, 32) in shapes[True]
+    # GELU saves the whole 3D pre-activation; the fused node its chunks and its input's, all compressed
+    assert (300, 32, 128) in shapes[False] and (300, 32, 128) not in shapes[True]
+    assert {(8192, 128), (1408, 128), (8192, 32), (1408, 32)} <= shapes[True]
     # the same 8-bit codec on the same values: errors of the same size
     assert errors[True] < 2 * errors[False] + 1e-3 and errors[True] < 0.05
 
@@ -311,7 +312,7 @@ def test_backward_inside_the_compress_context_keeps_the_activation_derivative_ex
     results = []
     for inside in (False, True):
         model = _mlp()
-        act.nn.convert_bounded_ffn(model)
+        act.nn.convert_bounded_ffn(model, chunk_bytes=16 * 48 * 4)  # four chunks of 16 rows
         compressor = act.ActivationCompressor(model, act.ACTConfig(bits=2, adaptive=False, min_numel=0))
         torch.manual_seed(1)
         x = torch.randn(64, 12)
@@ -322,8 +323,8 @@ def test_backward_inside_the_compress_context_keeps_the_activation_derivative_ex
         saved = len(compressor.stats().records)
         if not inside:
             loss.backward()
-        # a pair (weight, x, h), a pair and the last Linear (two weights, x, h), square's input
-        assert saved == 3 + 4 + 1
+        # a pair (weight, x and h in four chunks), a pair and the last Linear (two weights, x, h), square's input
+        assert saved == 9 + 10 + 1
         results.append([p.grad for p in model.parameters()])
     for g, g_ref in zip(*results):
         assert torch.equal(g, g_ref)
@@ -461,15 +462,25 @@ def test_bert_layer_ffn_is_one_node_and_hooks_keep_the_modules():
 
 
 def test_auto_chunks_are_4mib_on_cpu_and_at_most_eight_off_cpu():
-    """The default chunk policy of the bounded nodes (nn._chunks.chunk_rows): 4 MiB chunks; off CPU (a meta tensor
-    stands in for a GPU's) no more than 8 chunks of a tensor, as each costs kernel launches; an explicit size is
-    taken as given."""
+    """The default chunk policy of the bounded nodes (nn._chunks.chunk_rows): 4 MiB chunks; off CPU no more than 8
+    chunks of a tensor, as each costs kernel launches; an explicit size is taken as given."""
     from lightning_act.nn._chunks import chunk_rows
 
-    row = 2**20
-    assert chunk_rows("auto", row) == chunk_rows("auto", row, torch.empty(4096, 1)) == 4
-    assert chunk_rows("auto", row, torch.empty(4096, 1, device="meta")) == 512
-    assert chunk_rows("auto", row, torch.empty(20, 1, device="meta")) == 4  # few rows: 4 MiB chunks still
-    assert chunk_rows("4MiB", row, torch.empty(4096, 1, device="meta")) == 4
+    row, cpu, gpu = 2**20, torch.device("cpu"), torch.device("cuda")
+    assert chunk_rows("auto", row) == chunk_rows("auto", row, 4096, cpu) == 4
+    assert chunk_rows("auto", row, 4096, gpu) == 512
+    assert chunk_rows("auto", row, 20, gpu) == 4  # few rows: 4 MiB chunks still
+    assert chunk_rows("4MiB", row, 4096, gpu) == 4
     with pytest.raises(ValueError, match="chunk_bytes='big'.*or 'auto'"):
         chunk_rows("big", row)
+
+
+def test_rows_that_fit_one_chunk_run_unfused():
+    """One chunk would hold the activation's output and its gradient beside h and grad_h, more than the unfused
+    backward: the modules then run as they are."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Linear(48, 5))
+    act.nn.convert_bounded_ffn(block)  # 4 MiB: 21845 rows of the 48-wide hidden layer
+    assert block(torch.randn(10, 12, requires_grad=True)).grad_fn.name() == "AddmmBackward0"
+    assert block(torch.randn(21845, 12, requires_grad=True)).grad_fn.name() == "AddmmBackward0"
+    assert block(torch.randn(21846, 12, requires_grad=True)).grad_fn.name() == "_FeedForwardBackward"

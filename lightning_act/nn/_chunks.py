@@ -17,16 +17,16 @@ AUTO_CHUNK_BYTES = 4 * 2**20
 AUTO_MAX_CHUNKS = 8
 
 
-def chunk_rows(chunk_bytes: int | str, row_bytes: int, like: torch.Tensor | None = None) -> int:
+def chunk_rows(chunk_bytes: int | str, row_bytes: int, rows: int = 0, device: torch.device | None = None) -> int:
     """Rows per chunk: as many rows of ``row_bytes`` as fit in ``chunk_bytes`` (an int or a size such as
-    ``"4MiB"``), at least one. ``"auto"``: ``AUTO_CHUNK_BYTES``, and for a tensor ``like`` (rows along dim 0) off
-    CPU at most ``AUTO_MAX_CHUNKS`` chunks (a GPU's large tensors in a few large chunks rather than many kernel
+    ``"4MiB"``), at least one. ``"auto"``: ``AUTO_CHUNK_BYTES``, and for ``rows`` rows on a ``device`` other than
+    the CPU at most ``AUTO_MAX_CHUNKS`` chunks (a GPU's large tensors in a few large chunks rather than many kernel
     launches). Bad sizes raise ``ValueError`` naming the value."""
     if chunk_bytes == "auto":
-        rows = AUTO_CHUNK_BYTES // max(1, row_bytes)
-        if like is not None and like.device.type != "cpu" and like.dim():
-            rows = max(rows, -(-like.shape[0] // AUTO_MAX_CHUNKS))
-        return max(1, rows)
+        per_chunk = AUTO_CHUNK_BYTES // max(1, row_bytes)
+        if device is not None and device.type != "cpu":
+            per_chunk = max(per_chunk, -(-rows // AUTO_MAX_CHUNKS))
+        return max(1, per_chunk)
     try:
         nbytes = parse_bytes("chunk_bytes", chunk_bytes)
     except ValueError as error:

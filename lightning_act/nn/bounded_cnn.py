@@ -114,7 +114,8 @@ class _Fork(torch.autograd.Function):
         ctx.mean, ctx.invstd, ctx.batch_stats = _channel(mean.to(wide)), _channel(invstd.to(wide)), batch_stats
         ctx.conv, ctx.relu, ctx.identity, ctx.x_meta = conv, relu, identity, (x.shape, x.dtype, _channels_last(x))
         xc = x.to(z.dtype)  # what the convolution read (autocast's copy), saved for its weight gradient
-        rows = chunk_rows(chunk_bytes, max(z[0].numel() * z.element_size(), xc[0].numel() * xc.element_size(), 1), z)
+        rows = chunk_rows(chunk_bytes, max(z[0].numel() * z.element_size(), xc[0].numel() * xc.element_size(), 1),
+                          z.shape[0], z.device)
         ctx.bounds, ctx.z_cl, ctx.xc_cl = row_bounds(z.shape[0], rows), _channels_last(z), _channels_last(xc)
         ctx.z_shape, ctx.conv_dtype, ctx.out_cl = z.shape, z.dtype, _channels_last(out)
         ctx.bn_dtype = (gamma if gamma is not None else beta if beta is not None else z).dtype
@@ -235,7 +236,7 @@ class _AddReLU(torch.autograd.Function):
             out = a.add_(b).relu_()
         else:
             out = torch.add(a, b).relu_()
-        rows = chunk_rows(chunk_bytes, max(out[0].numel() * out.element_size(), 1), out)
+        rows = chunk_rows(chunk_bytes, max(out[0].numel() * out.element_size(), 1), out.shape[0], out.device)
         ctx.bounds, ctx.cl, ctx.dtypes = row_bounds(out.shape[0], rows), _channels_last(out), (a.dtype, b.dtype)
         ctx.save_for_backward(*_signs(out, rows, ctx.cl))
         return out

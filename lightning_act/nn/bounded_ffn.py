@@ -30,6 +30,9 @@ row-blocked matmuls may round differently from the whole ones. Without hooks, or
 has forward hooks (they would run once per chunk), the forward is the unfused one bit for bit. Gradients equal the
 unfused ones up to the order of the sums.
 
+Rows that fit one chunk run unfused: a single fused chunk holds the activation's output and its gradient beside
+``h`` and ``grad_h``, one tensor more than the unfused backward, and bounds nothing.
+
 Not fused (left as they are): a Linear subclass, a Linear or activation with backward hooks (they would not
 fire inside the fused node), activations with parameters or ``inplace=True`` (except ReLU), and anything that is
 not a known elementwise activation (:func:`fusable_activation`). Forward hooks and forward pre-hooks of the
@@ -132,7 +135,7 @@ class _FeedForward(torch.autograd.Function):
     (for the second Linear's weight gradient and the activation's derivative)."""
 
     @staticmethod
-    def forward(ctx, x, weight1, bias1, weight2, bias2, linear1, act, linear2, chunk_bytes):
+    def forward(ctx, x, weight1, bias1, weight2, bias2, linear1, act, linear2, per_chunk):
         ctx.two = linear2 is not None
         ctx.relu = _is_relu(act)
         ctx.signs = ctx.relu and not ctx.two  # the derivative needs nothing else; a second Linear needs a itself
@@ -141,11 +144,9 @@ class _FeedForward(torch.autograd.Function):
         ctx.act = act
         ctx.saves_x = bool(ctx.needs_input_grad[1])
         hidden = weight1.shape[0]
-        out_features = weight2.shape[0] if ctx.two else hidden
         ctx.x_meta, ctx.hidden = (x.shape, x.dtype), hidden
         x2 = _rows(x)
-        row_bytes = max(hidden, x.shape[-1], out_features, 1) * x.element_size()
-        ctx.bounds = bounds = row_bounds(x2.shape[0], chunk_rows(chunk_bytes, row_bytes, x2))
+        ctx.bounds = bounds = row_bounds(x2.shape[0], per_chunk)
         hooks = _saved_tensor_hooks()
         modules = (linear1, act, linear2)
         if hooks is not None and bounds and not any(_forward_hooked(m) for m in modules):
@@ -275,10 +276,17 @@ def linear_act(x: torch.Tensor, linear: nn.Linear, act, chunk_bytes: int | str =
                output: nn.Linear | None = None) -> torch.Tensor:
     """``act(linear(x))``, then ``output(...)`` when given (a transformer's whole FFN), with the bounded backward of
     the module docstring; row chunks of about ``chunk_bytes`` (of the widest of ``x``, the hidden and the output
-    per row). Without autograd (no gradient wanted) the modules run as they are and nothing is saved."""
+    per row). Without autograd (no gradient wanted), or when the rows fit one chunk (the fused node would then hold
+    the activation's output and its gradient beside ``h`` and ``grad_h``: more than the unfused backward), the
+    modules run as they are."""
     params = (linear.weight, linear.bias) + ((output.weight, output.bias) if output is not None else (None, None))
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
-        return _FeedForward.apply(x, *params, linear, act, output, chunk_bytes)
+        features = x.shape[-1] if x.dim() else 1
+        rows = x.numel() // features if features else 0
+        widest = max(linear.out_features, features, output.out_features if output is not None else 0, 1)
+        per_chunk = chunk_rows(chunk_bytes, widest * x.element_size(), rows, x.device)
+        if rows > per_chunk:
+            return _FeedForward.apply(x, *params, linear, act, output, per_chunk)
     y = act(linear(x))
     return y if output is None else output(y)
 

@@ -67,7 +67,7 @@ def relu_dropout(x: torch.Tensor, p: float, training: bool = True,
     p = float(p) if training else 0.0
     if x.dim() == 0:
         return torch.relu(x) if p == 0 else nn.functional.dropout(torch.relu(x), p)
-    rows = chunk_rows(chunk_bytes, x[0].numel() * x.element_size(), x)
+    rows = chunk_rows(chunk_bytes, x[0].numel() * x.element_size(), x.shape[0], x.device)
     return _ReLUDropout.apply(x, p, rows)
 
 

@@ -220,7 +220,8 @@ class SparseGCNConv(nn.Module):
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor, edge_weight: torch.Tensor | None = None):
         adj, adj_transposed = self.adjacency(edge_index, edge_weight, x.shape[0], x.dtype)
-        rows = chunk_rows(self.chunk_bytes, max(self.in_channels, self.out_channels) * x.element_size(), x)
+        rows = chunk_rows(self.chunk_bytes, max(self.in_channels, self.out_channels) * x.element_size(), x.shape[0],
+                          x.device)
         return sparse_gcn(x, self.lin.weight, self.bias, adj, adj_transposed, rows)
 
     def extra_repr(self) -> str:
