@@ -209,18 +209,29 @@ def main() -> None:
               f"Command: `python benchmarks/bench_host_overhead.py {' '.join(sys.argv[1:])}`\n")
     with MachineLoad() as load:
         if args.baseline is None:
-            body = table(run(args.quick, args.repeats))
+            rows = run(args.quick, args.repeats)
+            body = table(rows)
         else:
             before, after = [], []
             for _ in range(args.rounds):
                 before.append(_child(args.baseline.resolve(), args.quick, args.repeats))
                 after.append(_child(None, args.quick, args.repeats))
+            rows = after[-1]
             body = (f"Before: {args.baseline}; after: this checkout. {args.rounds} rounds, each a child process "
                     f"per version, alternating.\n\n{comparison_table(before, after)}\n\nAfter, last round:\n\n"
-                    f"{table(after[-1])}")
+                    f"{table(rows)}")
     summary = load.summary()
     publish(f"{header}\n{body}\n\nMachine load while this ran: {summary['other_cores']:.2f} other cores busy on "
-            f"average, load average {summary['loadavg_start']:.1f} -> {summary['loadavg_end']:.1f}\n", args.out)
+            f"average, load average {summary['loadavg_start']:.1f} -> {summary['loadavg_end']:.1f}\n\n"
+            f"{headline(rows)}\n", args.out)
+
+
+def headline(rows: list[dict]) -> str:
+    """The figure in one line, last in the report (what a glance at its tail reads): hooks-only host µs per saved
+    tensor of each model for the first configuration."""
+    first = rows[0]["config"]
+    figures = ", ".join(f"{r['model']} {r['hook_us_per_saved']:.1f}" for r in rows if r["config"] == first)
+    return f"Hooks only, host µs per saved tensor ({first}): {figures} (issue #20: at most 30, goal 15)"
 
 
 if __name__ == "__main__":

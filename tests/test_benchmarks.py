@@ -174,6 +174,10 @@ def test_host_overhead_quick_mode_measures_the_cuda_path_with_no_op_kernels():
     first = rows[0]
     assert (f"| {first['model']} | {first['config']} | {first['step_us_per_saved']:.1f} -> "
             f"{first['step_us_per_saved']:.1f} |") in table
+    # the one-line summary that ends the report: each model's hooks-only figure for the first configuration
+    expected = ", ".join(f"{r['model']} {r['hook_us_per_saved']:.1f}" for r in rows if r["config"] == configs[0])
+    assert bench_host_overhead.headline(rows) == (f"Hooks only, host µs per saved tensor ({configs[0]}): {expected} "
+                                                  "(issue #20: at most 30, goal 15)")
 
 
 def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_path):
