@@ -10,7 +10,7 @@ import lightning_act as act
 from lightning_act.models import Bottleneck
 from lightning_act.nn._chunks import DEFAULT_CHUNK_BYTES, chunk_rows
 from lightning_act.nn.bounded_cnn import BoundedSequential, ResidualReLU, is_bounded
-from lightning_act.profiling import measure_step_memory
+from tests.codec_peaks import compressed_backward_peak
 
 MiB = 2**20
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
@@ -177,15 +177,7 @@ def test_backward_peak_holds_two_full_tensors_plus_chunks(layout, batch):
     for bounded in (False, True):
         block = _wide_block(layout)
         compressor = act.ActivationCompressor(block, act.ACTConfig(bits=4, adaptive=False, bounded_cnn=bounded))
-
-        def forward():
-            with compressor.compress():
-                return block(x)
-
-        forward().sum().backward()  # the profiler sizes frees only of blocks it saw allocated
-        out = forward()
-        grad = torch.ones_like(out)
-        peaks[bounded] = measure_step_memory(lambda: out.backward(grad)).peak_bytes
+        peaks[bounded] = compressed_backward_peak(block, x, compressor)
     # unconverted: BN's input gradient, its workspace, the decoded BN input and ReLU's decoded mask and output
     # beside the incoming gradient; bounded: the input gradient (half the size) and a few chunk-sized pieces
     chunk = full // batch * min(batch, chunk_rows(DEFAULT_CHUNK_BYTES, full // batch))

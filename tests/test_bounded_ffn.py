@@ -11,6 +11,7 @@ import lightning_act as act
 from lightning_act.nn.bounded_cnn import BoundedSequential
 from lightning_act.nn.bounded_ffn import fusable_activation, is_bounded_ffn
 from lightning_act.profiling import measure_step_memory
+from tests.codec_peaks import compressed_backward_peak
 
 transformers = pytest.importorskip("transformers")
 
@@ -345,18 +346,7 @@ def test_backward_peak_holds_the_gradients_and_chunks(activation, rows):
         if bounded:
             assert act.nn.convert_bounded_ffn(block, chunk_bytes=chunk) == 1
         compressor = act.ActivationCompressor(block, act.ACTConfig(bits=4, adaptive=False))
-        x = torch.randn(rows, width).requires_grad_()
-
-        def forward():
-            with compressor.compress():
-                return block(x)
-
-        forward().sum().backward()  # the profiler sizes frees only of blocks it saw allocated
-        out = forward()
-        grad = torch.ones_like(out)
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-        peaks[bounded] = measure_step_memory(lambda: out.backward(grad)).peak_bytes
+        peaks[bounded] = compressed_backward_peak(block, torch.randn(rows, width).requires_grad_(), compressor)
     grad_in = full // 4
     pieces = 4 if activation == "gelu" else 2  # decoded h, the re-run activation, its gradient, x's chunk (GELU)
     assert peaks[True] <= grad_in + pieces * chunk + MiB // 2, {k: v / MiB for k, v in peaks.items()}
