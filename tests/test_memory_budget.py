@@ -1,5 +1,6 @@
 """Memory-budget mode (issue 17): budgets met on a small BERT and a small ResNet with profiler-measured peaks,
 the shortfall warning, the solver's choices, undoing a plan, and the Lightning callback."""
+import contextlib
 import warnings
 
 import lightning as L
@@ -51,6 +52,20 @@ def peaks(model, loss_fn, compressor):
     return measure(plain), measure(compressed), compressed
 
 
+@contextlib.contextmanager
+def met_plan(compressor, budget, step):
+    """The memory-budget plan for ``budget`` (one that can be met: a shortfall warning fails the test), applied
+    until the block ends."""
+    planner = MemoryBudget(compressor, budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        plan = planner.plan(step)
+    try:
+        yield plan
+    finally:
+        planner.remove()
+
+
 @pytest.mark.parametrize("build", [small_bert, small_resnet], ids=["bert", "resnet"])
 def test_budget_is_met_within_ten_percent(build):
     model, loss_fn = build()
@@ -58,19 +73,13 @@ def test_budget_is_met_within_ten_percent(build):
     compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False))
     uncompressed, _, step = peaks(model, loss_fn, compressor)
     budget = int(0.7 * uncompressed)
-    planner = MemoryBudget(compressor, budget)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a budget that can be met: no shortfall warning
-        plan = planner.plan(step)
-    try:
+    with met_plan(compressor, budget, step) as plan:
         assert plan.fits and set(plan.options) == {*budget_units(model), OUTSIDE}
         assert set(plan.options.values()) != {"keep"}  # 70% of the uncompressed peak needs some compression
         model.zero_grad(set_to_none=True)
         measured = measure_step_memory(step).peak_bytes
         assert measured <= 1.10 * budget, plan.table()
         assert plan.measured_peak_bytes <= 1.10 * budget
-    finally:
-        planner.remove()
 
 
 def test_shortfall_warns_with_the_numbers_and_keeps_the_most_aggressive_plan():
@@ -247,11 +256,7 @@ def test_a_budget_only_checkpointing_meets_is_met_by_a_measured_plan():
     uniform = _uniform_peaks(MemoryBudget(compressor, 1), step, model)
     assert uniform["checkpoint"] < 0.9 * uniform["q2"], uniform  # what this test is about
     budget = (uniform["checkpoint"] + uniform["q2"]) // 2  # too tight for all-2-bit (so for all-4-bit too)
-    planner = MemoryBudget(compressor, budget)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        plan = planner.plan(step)
-    try:
+    with met_plan(compressor, budget, step) as plan:
         assert plan.fits and "checkpoint" in plan.options.values(), plan.table()
         model.zero_grad(set_to_none=True)
         measured = measure_step_memory(step).peak_bytes
@@ -259,8 +264,6 @@ def test_a_budget_only_checkpointing_meets_is_met_by_a_measured_plan():
         # the timeline model predicts the measured peak of the plan it chose (within 2%, never far below it)
         assert 0.98 * measured <= plan.predicted_peak_bytes <= 1.05 * measured, plan.table()
         assert plan.planning_peak_bytes >= plan.measured_peak_bytes
-    finally:
-        planner.remove()
 
 
 def test_a_loose_budget_keeps_everything_without_profiling_checkpoints():
