@@ -47,6 +47,7 @@ import types
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules import module as module_globals
 
 from ..formats._bitpack import pack_bits, unpack_bits
 from .. import module_tree
@@ -114,8 +115,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _forward_hooked(module) -> bool:
     """Whether calling ``module`` runs forward hooks or pre-hooks (its own or the global ones): the chunked
     forward would run them once per chunk."""
-    from torch.nn.modules import module as module_globals
-
     return isinstance(module, nn.Module) and bool(
         module._forward_hooks or module._forward_pre_hooks or module_globals._global_forward_hooks
         or module_globals._global_forward_pre_hooks)
