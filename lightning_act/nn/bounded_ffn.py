@@ -348,9 +348,16 @@ def _layer_feed_forward(self, attention_output):
     intermediate, output = self.intermediate, self.output
     if _forward_hooked(intermediate) or _forward_hooked(output):
         return type(self).feed_forward_chunk(self, attention_output)
-    hidden = linear_act(attention_output, intermediate.dense, intermediate.intermediate_act_fn,
-                        self._bounded_ffn_chunk_bytes, output=output.dense)
-    return output.LayerNorm(output.dropout(hidden) + attention_output)
+    branch = output.dropout(linear_act(attention_output, intermediate.dense, intermediate.intermediate_act_fn,
+                                       self._bounded_ffn_chunk_bytes, output=output.dense))
+    if branch._is_view() or _forward_hooked(output.dropout):  # dropout returned the node's (view) output as it
+        summed = branch + attention_output  # is (eval), or a hook may keep dropout's output: not written into
+    else:  # the sum written into dropout's output (or its copy in the sum's dtype), the same values: one
+        # residual-sized tensor less alive, and on CPU, whose mixed-dtype add (a bf16 branch under autocast) first
+        # copies the narrower input, two less
+        summed = branch.to(torch.result_type(branch, attention_output)).add_(attention_output)
+    del branch  # a bf16 branch is not held through the LayerNorm
+    return output.LayerNorm(summed)
 
 
 def _intermediate_forward(self, hidden_states):
