@@ -90,6 +90,33 @@ def test_forward_and_backward_hold_a_few_chunk_pairs_at_most():
     assert peak <= 16 * MiB + 4 * MiB, f"{peak / MiB:.1f} MiB"  # 19.3 measured (32.7 with chunk pairs of 4 MiB)
 
 
+def test_bf16_backward_holds_no_float32_copy_of_a_gradient_and_matches_float64():
+    """bf16 inputs decoded afresh in the backward (as a compressor's are): dk and dv accumulate in float32 without
+    a bf16 product of their size and its float32 cast beside them (one key chunk spans every key here), and the
+    decoded inputs are freed before the accumulators are cast."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(8, 4, 512, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))  # 2 MiB
+    grad = torch.randn(8, 4, 512, 64, dtype=torch.bfloat16)
+
+    def forward():
+        with torch.autograd.graph.saved_tensors_hooks(torch.clone, torch.clone):
+            return chunked_attention(q, k, v)
+
+    forward().backward(grad)
+    out = forward()
+    for t in (q, k, v):
+        t.grad = None
+    peak = measure_step_memory(lambda: out.backward(grad)).peak_bytes
+    # decoded q, k, v (6 MiB), dq (2), dk and dv in float32 (8), their bf16 casts, chunk pairs of 0.5 MiB
+    assert peak <= 20 * MiB, f"{peak / MiB:.1f} MiB"  # 17.8 measured (23.7 with the product and its cast)
+    reference = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*reference).backward(grad.double())
+    for t, r in zip((q, k, v), reference):
+        assert t.grad.dtype == torch.bfloat16
+        assert (t.grad.double() - r.grad).abs().max() <= 2e-2 * r.grad.abs().max()  # 0.9-1.1% measured (SDPA in
+        # bf16: 0.4-0.9%)
+
+
 def test_cb2_bert_with_padding_trains_with_finite_gradients():
     """The padding mask stays exact (kept by the function, not saved through the compressor): quantized, its
     large negatives broke the gradients (NaN)."""

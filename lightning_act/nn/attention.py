@@ -91,11 +91,17 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out = ctx.saved_tensors  # each decoded once
+        dtypes = query.dtype, key.dtype, value.dtype
         with torch.autocast(query.device.type, enabled=False):
             delta = _row_delta(out, grad_out.to(query.dtype), ctx.options[1])
             del out  # the decoded output serves only rowsum(dO * O)
-            grads = _attention_backward(query, key, value, delta, ctx.lse, ctx.mask, grad_out, *ctx.options)
-        return (*grads, None, None, None, None, None, None)
+            dq, dk, dv = _attention_backward(query, key, value, delta, ctx.lse, ctx.mask, grad_out, *ctx.options)
+        # the decoded inputs go before the accumulators are cast, each accumulator as soon as it is (bf16 / fp16:
+        # float32 dk and dv are twice the size of the gradients they become)
+        del query, key, value
+        dk = dk.mul_(ctx.options[0]).to(dtypes[1])
+        dv = dv.to(dtypes[2])
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _attention_forward(q, k, v, mask, scale, query_chunk, key_chunk, dropout, seed):
@@ -130,7 +136,11 @@ def _attention_forward(q, k, v, mask, scale, query_chunk, key_chunk, dropout, se
 
 def _accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b``: in place by a batched addmm when the dtypes agree (no product of ``acc``'s size is
-    allocated), else through the product in ``b``'s dtype."""
+    allocated), else through the product in ``b``'s dtype. A 16-bit ``b`` no larger than ``acc`` (a chunk of q or
+    dO against dk or dv, which span all keys of a key chunk) is cast up instead: the product, and its cast, would
+    be the size of ``acc`` (in bf16 / fp16, the backward's largest transients)."""
+    if a.dtype == acc.dtype != b.dtype and b.numel() <= acc.numel():
+        b = b.to(acc.dtype)
     if a.dtype == b.dtype == acc.dtype:
         try:
             acc3 = acc.view(-1, *acc.shape[-2:])  # a view or an error, never a copy written in vain
@@ -151,6 +161,7 @@ def _row_delta(out: torch.Tensor, grad_out: torch.Tensor, query_chunk: int) -> t
 
 
 def _attention_backward(q, k, v, delta, lse, mask, grad_out, scale, query_chunk, key_chunk, dropout, seed):
+    """``(dq, dk / scale, dv)``: dq in q's dtype, dk and dv as accumulated (float32; float64 for float64)."""
     acc_dtype = _acc_dtype(q.dtype)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
@@ -179,7 +190,7 @@ def _attention_backward(q, k, v, delta, lse, mask, grad_out, scale, query_chunk,
             _accumulate_(dk[..., c0:c1, :], ds.transpose(-1, -2), q_c)
             del ds, dp
         dq[..., r0:r1, :] = dq_c.mul_(scale).to(q.dtype)
-    return dq, dk.mul_(scale).to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv  # dk unscaled, dk and dv in the accumulation dtype: the caller casts them
 
 
 def chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
