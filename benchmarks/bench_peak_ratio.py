@@ -15,8 +15,8 @@ among them the decoded saved tensors), and the largest holders.
     python benchmarks/bench_peak_ratio.py --tiny                # seconds: the code path (tests)
 
 Models (random weights and batches): ``BertForSequenceClassification`` from a config (``--bert-layers`` x
-``--bert-hidden``, 4 heads, FFN 4x, ``models.bert``) at ``--bert-batch`` x ``--bert-seq`` with the attention
-implementation transformers picks by default (SDPA), eager attention and lightning_act's ``act_chunked``, each also
+``--bert-hidden``, ``--bert-heads`` heads (4), FFN 4x, ``models.bert``) at ``--bert-batch`` x ``--bert-seq`` with
+the attention implementation transformers picks by default (SDPA), eager attention and lightning_act's ``act_chunked``, each also
 converted by ``lightning_act.nn.convert_bounded_ffn`` (``bert-ffn``: the FFN's Linear -> GELU as one node whose
 backward holds two full tensors plus row chunks); ResNet-50
 (``lightning_act.models.resnet50``, 1000 classes) at ``--resnet-batch`` x ``--resnet-size``², contiguous and
@@ -76,8 +76,9 @@ def bert_workload(args, layers: int, attention: str | None, bounded_ffn: bool = 
         shape = "2x64, 4x64"
     else:
         model, loss_fn = bert(args.bert_batch, args.bert_seq, layers=layers, hidden=args.bert_hidden,
-                              attn_implementation=attention)
-        shape = f"{layers}x{args.bert_hidden}, {args.bert_batch}x{args.bert_seq}"
+                              attn_implementation=attention, heads=args.bert_heads)
+        heads = "" if args.bert_heads == 4 else f" ({args.bert_heads} heads)"
+        shape = f"{layers}x{args.bert_hidden}{heads}, {args.bert_batch}x{args.bert_seq}"
     if bounded_ffn:
         convert_bounded_ffn(model)
     used = model.config._attn_implementation
@@ -249,6 +250,7 @@ def main(argv=None) -> int:
                         choices=["default", "eager", "act_chunked", "sdpa"])
     parser.add_argument("--bert-layers", nargs="+", type=int, default=[4, 12])
     parser.add_argument("--bert-hidden", type=int, default=256)
+    parser.add_argument("--bert-heads", type=int, default=4, help="12 with --bert-hidden 768: BERT-base")
     parser.add_argument("--bert-batch", type=int, default=32)
     parser.add_argument("--bert-seq", type=int, default=256)
     parser.add_argument("--resnet-batch", type=int, default=32)

@@ -36,13 +36,15 @@ def resnet(batch: int, size: int = 64, classes: int = 10):
     return model, lambda: nn.functional.cross_entropy(model(x), y)
 
 
-def bert(batch: int, seq: int = 128, layers: int = 4, hidden: int = 256, attn_implementation: str | None = None):
-    """``BertForSequenceClassification`` from a small config (``layers`` x ``hidden``, 4 heads), random tokens."""
+def bert(batch: int, seq: int = 128, layers: int = 4, hidden: int = 256, attn_implementation: str | None = None,
+         heads: int = 4):
+    """``BertForSequenceClassification`` from a small config (``layers`` x ``hidden``, ``heads`` heads), random
+    tokens."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    cfg = BertConfig(vocab_size=2000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+    cfg = BertConfig(vocab_size=2000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=4 * hidden, max_position_embeddings=max(seq, 64), **options)
     model = BertForSequenceClassification(cfg).train()
     ids, labels = torch.randint(0, 2000, (batch, seq)), torch.randint(0, 2, (batch,))
