@@ -98,7 +98,7 @@ class _Fork(torch.autograd.Function):
     shortcut): the backward adds the run's input gradient chunk by chunk into that output's gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gamma, beta, conv, bn, relu, identity, chunk_bytes):
+    def forward(ctx, x, weight, bias, gamma, beta, conv, bn, relu, identity, rows):
         z = conv(x)  # the module: autocast casts x and the weight as in the unfused model
         batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
         keep_running = not bn.training or bn.track_running_stats
@@ -114,8 +114,6 @@ class _Fork(torch.autograd.Function):
         ctx.mean, ctx.invstd, ctx.batch_stats = _channel(mean.to(wide)), _channel(invstd.to(wide)), batch_stats
         ctx.conv, ctx.relu, ctx.identity, ctx.x_meta = conv, relu, identity, (x.shape, x.dtype, _channels_last(x))
         xc = x.to(z.dtype)  # what the convolution read (autocast's copy), saved for its weight gradient
-        rows = chunk_rows(chunk_bytes, max(z[0].numel() * z.element_size(), xc[0].numel() * xc.element_size(), 1),
-                          z.shape[0], z.device)
         ctx.bounds, ctx.z_cl, ctx.xc_cl = row_bounds(z.shape[0], rows), _channels_last(z), _channels_last(xc)
         ctx.z_shape, ctx.conv_dtype, ctx.out_cl = z.shape, z.dtype, _channels_last(out)
         ctx.bn_dtype = (gamma if gamma is not None else beta if beta is not None else z).dtype
@@ -209,13 +207,30 @@ class _Fork(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+def _rows_per_chunk(x: torch.Tensor, conv: nn.Conv2d, chunk_bytes: int | str) -> int:
+    """Batch rows per chunk of the run on ``x``: rows of the convolution's input and output in the dtype the
+    convolution runs in (autocast's lower precision for a float32, float16 or bfloat16 input), as saved."""
+    device = x.device.type
+    dtype = x.dtype
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device)
+    spatial = [(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size, pad, dilation, kernel, stride
+               in zip(x.shape[2:], conv.padding, conv.dilation, conv.kernel_size, conv.stride)]
+    row = max(conv.out_channels * math.prod(spatial), math.prod(x.shape[1:]), 1)
+    return chunk_rows(chunk_bytes, row * dtype.itemsize, x.shape[0], x.device)
+
+
 def _fork(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, relu: bool, identity: bool,
           chunk_bytes: int | str):
-    """The run's output on ``x`` and, with ``identity``, ``x`` itself. Without autograd (no gradient wanted) the
-    modules run as they are."""
+    """The run's output on ``x`` and, with ``identity``, ``x`` itself. Without autograd (no gradient wanted), or
+    when the batch fits one chunk (the fused backward would then hold the whole masked gradient, BatchNorm's
+    decoded input, its normalised copy and the convolution's gradients at once: more than the unfused nodes, one
+    after the other), the modules run as they are."""
     params = (conv.weight, conv.bias, bn.weight, bn.bias)
     if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)):
-        return _Fork.apply(x, *params, conv, bn, relu, identity, chunk_bytes)
+        rows = _rows_per_chunk(x, conv, chunk_bytes)
+        if x.shape[0] > rows:
+            return _Fork.apply(x, *params, conv, bn, relu, identity, rows)
     out = bn(conv(x))
     out = torch.relu(out) if relu else out
     return (out, x) if identity else out
