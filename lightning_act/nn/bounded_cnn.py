@@ -25,6 +25,7 @@ merge's gradient, or the projection run's input gradient). Those gradients are t
 nothing else by then, so the sum happens in place. The merge ``relu(a + b)`` adds into ``a`` when ``a`` is a run's
 fresh output, saves the sign bit-packed per chunk, and its backward holds two tensors.
 
+A run whose batch fits one chunk keeps its modules (one fused chunk would hold more than the unfused nodes do).
 The gradients are the unfused ones up to the order of the sums. BatchNorm's module hooks do not run (the
 convolution's do); ``padding_mode`` other than ``'zeros'`` and string paddings are left unfused.
 """
