@@ -1,0 +1,105 @@
+"""Autocast's parameter copies under the compressor (engine._ParameterCast): a saved bf16 cast of a weight (or a
+view of one, as Linear saves ``weight.t()``) is not held; the backward casts the parameter again. Gradients are
+bit for bit those of the same model without the compressor (a weight read by two ops: cast for each, so its two
+gradients meet in float32 rather than bf16), autocast's cache no longer keeps every layer's copy through the
+forward, and a parameter changed in place before the backward raises as in float32."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_act as act
+from lightning_act.profiling import measure_step_memory
+
+MiB = 2**20
+
+
+def _model(layout=torch.contiguous_format, tied=False):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 64),
+                          nn.GELU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    if tied:  # one weight read by two ops: autocast would cast it once, here twice, the same bits
+        model[7].weight = model[5].weight
+    return model.to(memory_format=layout)
+
+
+def _compressor(model, **kw):
+    # every activation kept as it is (min_numel above any): only the parameters' handling differs from plain
+    return act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False, min_numel=1 << 30, **kw))
+
+
+def _grads(model, x, compressor=None):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), (compressor.compress() if compressor else torch.enable_grad()):
+        out = model(x)
+    out.float().square().sum().backward()
+    return out, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_gradients_are_those_of_the_model_without_the_compressor(layout, tied):
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    model = _model(memory_format, tied)
+    x = torch.randn(5, 3, 6, 6).to(memory_format=memory_format)
+    out_ref, grads_ref = _grads(copy.deepcopy(model), x)
+    compressor = _compressor(model)
+    out, grads = _grads(model, x, compressor)
+    assert torch.equal(out, out_ref)
+    for g, g_ref in zip(grads, grads_ref):
+        assert g.dtype == torch.float32
+        if tied:  # summed in float32 here, in bf16 through autocast's one copy: within bf16's rounding
+            assert (g - g_ref).abs().max() <= 2**-7 * g_ref.abs().max()
+        else:
+            assert torch.equal(g, g_ref)
+    records = compressor.stats().records
+    assert sum(r.kind == "parameter" for r in records) >= 4  # the conv's and the Linears' bf16 weights
+
+
+def test_the_forward_holds_one_layers_copy_not_every_layers():
+    """16 Linears of 1024 x 1024: 2 MiB per bf16 copy, 32 MiB that autocast's cache keeps through the forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
+    x = torch.randn(4, 1024)
+    peaks = {}
+    for compressed in (False, True):
+        compressor = _compressor(model) if compressed else None
+
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16), \
+                    (compressor.compress() if compressor else torch.enable_grad()):
+                model(x)
+
+        forward()
+        peaks[compressed] = measure_step_memory(forward).peak_bytes
+    assert peaks[False] >= 32 * MiB, {k: v / MiB for k, v in peaks.items()}
+    assert peaks[True] <= 5 * MiB, {k: v / MiB for k, v in peaks.items()}  # 4.0 measured: two copies at most
+
+
+def test_a_parameter_changed_in_place_before_the_backward_raises():
+    """Its copy is made again in the backward: a changed weight would give other gradients than the forward's, so
+    autograd's in-place error is raised, as it is for the weight a float32 Linear saves."""
+    model = _model()
+    compressor = _compressor(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16), compressor.compress():
+        out = model(torch.randn(2, 3, 6, 6))
+    with torch.no_grad():
+        model[5].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
+
+
+def test_float32_weights_and_views_of_them_are_kept_as_before():
+    """Without autocast nothing is cast: the saved weights are the parameters (or their views), held as saved."""
+    model = _model()
+    compressor = _compressor(model)
+    x = torch.randn(2, 3, 6, 6)
+    with compressor.compress():
+        out = model(x)
+    out.sum().backward()
+    reference = copy.deepcopy(model)
+    reference.zero_grad(set_to_none=True)
+    reference(x).sum().backward()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, r.grad)
