@@ -107,17 +107,18 @@ class _ParameterCasts(dict):
 _PARAMETER_CASTS = _ParameterCasts()
 
 
-def _cast_parameter(t: torch.Tensor) -> torch.Tensor | None:
-    """The leaf ``t`` is a dtype cast of (or a view into such a cast), when casting it again gives that copy's
-    layout: the parameter autocast cast for an op."""
+def _cast_parameter(t: torch.Tensor, own_storages: frozenset[int]) -> torch.Tensor | None:
+    """The parameter ``t`` is a dtype cast of (or a view into such a cast), when casting it again gives that copy's
+    layout and the parameter's memory is the model's own (``own_storages``: FSDP's unsharded copies are freed after
+    the forward and gathered again, a new version, before the backward): the parameter autocast cast for an op."""
     base = t if t._base is None else t._base
     fn = base.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
         return None
-    (source, _), = fn.next_functions
-    parameter = getattr(source, "variable", None)
+    parameter = getattr(fn.next_functions[0][0], "variable", None)
     if (parameter is None or type(parameter) is not nn.Parameter or parameter.device != base.device
-            or parameter.dtype == base.dtype or parameter.shape != base.shape or parameter.stride() != base.stride()):
+            or parameter.dtype == base.dtype or parameter.shape != base.shape or parameter.stride() != base.stride()
+            or parameter.untyped_storage().data_ptr() not in own_storages):
         return None
     return parameter
 
@@ -223,6 +224,7 @@ class _Step:
         # data pointers of storages saved tensors are parameters of; integrations add the weights they
         # materialise during the forward (lightning_act.fsdp: FSDP's all-gathered parameters)
         self.param_storages = param_storages
+        self.own_storages = frozenset(param_storages)  # the model's, before integrations add theirs in the forward
         self.records: list[TensorRecord] = [] if records is None else records
         self.phase = phase
         self.tracker: FunctionTracker | None = None
@@ -559,7 +561,7 @@ class ActivationCompressor:
                 (fn is None or _FN_KINDS[type(fn)] is not None) and _derives_from_leaf(t)):
             records.append(_new_record((index, shape, dtype, PARAMETER, "none", 8.0 * t.element_size(), 0, 0, "",
                                     step.phase, False, None)))
-            if fn is not None and (parameter := _cast_parameter(t)) is not None:
+            if fn is not None and (parameter := _cast_parameter(t, step.own_storages)) is not None:
                 # autocast's copy, cached for the rest of the autocast region: the backward casts again, so the
                 # copy lives only as long as the op that made it (BERT-base: about 160 MiB of bf16 weights)
                 torch.clear_autocast_cache()

@@ -128,6 +128,16 @@ WORKER = textwrap.dedent('''
     out["l0"] = {"losses": l0.losses, "plain_losses": plain.losses, "grads_equal": l0.grads == plain.grads,
                  "kinds": sorted({r[0] for r in l0.records[0]}), "strategy": type(trainer.strategy).__name__}
 
+    # bf16 autocast: the all-gathered weights' copies are held as saved (FSDP frees and gathers them again before
+    # the backward), not cast again from the parameter as a single process's are
+    torch.manual_seed(0)
+    plain16 = PlainFSDP()
+    fit(plain16, L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        max_steps=2, precision="bf16-mixed")
+    l016 = fresh()
+    fit(l016, act.ACTFSDPStrategy("L0"), max_steps=2, precision="bf16-mixed")
+    out["l0_bf16"] = {"losses_equal": l016.losses == plain16.losses, "grads_equal": l016.grads == plain16.grads}
+
     q4 = fresh()
     fit(q4, act.ACTFSDPStrategy(act.ACTConfig(**Q4)), max_steps=1)
     out["q4"] = {"records": q4.records[0], "ratio": q4.ratios[0], "losses": q4.losses,
@@ -259,6 +269,11 @@ def test_l0_losses_and_gradients_equal_uncompressed_fsdp(ranks):
         assert len(r["l0"]["losses"]) == 2 and r["l0"]["losses"] == r["l0"]["plain_losses"]
         assert r["l0"]["grads_equal"] is True
         assert "compressed" not in r["l0"]["kinds"] and "parameter" in r["l0"]["kinds"]
+
+
+def test_bf16_autocast_losses_and_gradients_equal_uncompressed_fsdp(ranks):
+    for r in ranks:
+        assert r["l0_bf16"] == {"losses_equal": True, "grads_equal": True}
 
 
 def test_4_bits_compresses_activations_only(ranks):

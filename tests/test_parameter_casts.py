@@ -103,3 +103,19 @@ def test_float32_weights_and_views_of_them_are_kept_as_before():
     reference(x).sum().backward()
     for p, r in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, r.grad)
+
+
+def test_a_parameter_outside_the_models_memory_keeps_its_copy():
+    """Only the model's own parameters are cast again: another module's (here a Linear the compressor's model does
+    not hold; under FSDP the all-gathered weights, freed and gathered again before the backward) keeps its saved
+    copy, so changing it in place before the backward raises nothing, as without the compressor."""
+    model = _model()
+    outside = nn.Linear(64, 64)
+    compressor = _compressor(model)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16), compressor.compress():
+        out = outside(model(x))
+    with torch.no_grad():
+        outside.weight.add_(1.0)
+    out.float().sum().backward()
+    assert outside.weight.grad is not None and model[5].weight.grad is not None
