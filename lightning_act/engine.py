@@ -123,6 +123,22 @@ def _cast_parameter(t: torch.Tensor, own_storages: frozenset[int]) -> torch.Tens
     return parameter
 
 
+def _frozen_weight_cast(t: torch.Tensor, call, own_storages: frozenset[int]) -> torch.Tensor | None:
+    """The frozen weight (``requires_grad=False``) ``t`` is autocast's copy of (or a view into it), saved by the
+    tracked ``call`` (``F.linear``, a convolution): such a call saves nothing else without autograd history (its
+    input is saved only for the weight's gradient)."""
+    position = op_rules.WEIGHT_ARGUMENT.get(call.func) if call is not None else None
+    if position is None:
+        return None
+    weight = call.args[position] if len(call.args) > position else call.kwargs.get("weight")
+    base = t if t._base is None else t._base
+    if (type(weight) is not nn.Parameter or weight.requires_grad or weight.device != base.device
+            or weight.dtype == base.dtype or weight.shape != base.shape or weight.stride() != base.stride()
+            or weight.untyped_storage().data_ptr() not in own_storages):
+        return None
+    return weight
+
+
 @functools.cache
 def _takes_backend(cls: type) -> bool:
     """Whether codec class ``cls`` is built with a ``backend`` (it has kernels to run or not)."""
@@ -396,7 +412,7 @@ class ActivationCompressor:
         outer = self.current_step
         self._thread.step = step
         if self.config.enabled and self.config.compress_masks and op_rules.OP_RULES:
-            step.tracker = FunctionTracker(op_rules.OP_RULES)
+            step.tracker = FunctionTracker(op_rules.tracked_functions())
         try:
             with contextlib.ExitStack() as stack:
                 if step.tracker is not None:
@@ -568,6 +584,12 @@ class ActivationCompressor:
                 return _new_saved((parameter, parameter._version, shape, None, parameter, None,
                                    _PARAMETER_CASTS[dtype], (shape, t.stride(), t.storage_offset()), None, 0))
             return _new_saved((t, version, shape, t, None, None, None, None, None, 0))
+        if fn is None and step.tracker is not None and not t.requires_grad and (
+                parameter := _frozen_weight_cast(t, step.tracker.current, step.own_storages)) is not None:
+            records.append(_new_record((index, shape, dtype, PARAMETER, "none", 8.0 * t.element_size(), 0, 0, "",
+                                        step.phase, False, None)))
+            return _new_saved((parameter, parameter._version, shape, None, parameter, None, _PARAMETER_CASTS[dtype],
+                               (shape, t.stride(), t.storage_offset()), None, 0))
         ptr = storage.data_ptr()
 
         contiguous = t.is_contiguous()

@@ -119,3 +119,50 @@ def test_a_parameter_outside_the_models_memory_keeps_its_copy():
         outside.weight.add_(1.0)
     out.float().sum().backward()
     assert outside.weight.grad is not None and model[5].weight.grad is not None
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_frozen_weights_copy_is_cast_again_not_compressed(layer):
+    """A frozen weight (LoRA's base layer) has no autograd history: its autocast copy is told from an activation
+    by the call that saves it (``F.linear``, a convolution). Before, it was quantized with the activations: the
+    input gradient read a 4-bit weight."""
+    torch.manual_seed(0)
+    module = nn.Linear(256, 256) if layer == "linear" else nn.Conv2d(16, 16, 3, padding=1)
+    module.requires_grad_(False)
+    x = torch.randn(8, 256) if layer == "linear" else torch.randn(2, 16, 8, 8)
+    grads = {}
+    for compressed in (False, True):
+        # min_numel 1: every tensor saved as an activation would be quantized at 4 bits
+        compressor = act.ActivationCompressor(module, act.ACTConfig(bits=4, adaptive=False, min_numel=1)) \
+            if compressed else None
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                (compressor.compress() if compressor else torch.enable_grad()):
+            out = module(xg)
+        out.float().sum().backward()
+        grads[compressed] = xg.grad
+    assert torch.equal(grads[True], grads[False])  # the same bf16 weight in the input gradient
+    kinds = [r.kind for r in compressor.stats().records]
+    assert "parameter" in kinds and "compressed" not in kinds  # (the convolution also saves x's cast: a leaf's)
+
+
+def test_frozen_weights_hold_no_copy_through_the_forward():
+    """16 frozen Linears of 1024 x 1024 before a trainable head (a fine-tuned model's frozen base): autocast does not
+    cache frozen weights' copies, autograd held each one saved (2 MiB apiece); now none outlives its op."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)], nn.Linear(1024, 4))
+    model[:16].requires_grad_(False)
+    x = torch.randn(4, 1024, requires_grad=True)  # so the frozen layers' input gradients need their weights
+    peaks = {}
+    for compressed in (False, True):
+        compressor = _compressor(model) if compressed else None
+
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16), \
+                    (compressor.compress() if compressor else torch.enable_grad()):
+                return model(x)
+
+        forward()
+        peaks[compressed] = measure_step_memory(forward).peak_bytes
+    assert peaks[False] >= 32 * MiB, {k: v / MiB for k, v in peaks.items()}
+    assert peaks[True] <= 5 * MiB, {k: v / MiB for k, v in peaks.items()}

@@ -26,6 +26,20 @@ def register_op_rule(functions: tuple[Callable, ...], rule: OpRule) -> None:
         OP_RULES[fn] = rule
 
 
+# Functions whose weight (the argument at this position, or ``weight=``) autocast casts for the op: a frozen weight's
+# copy has no autograd history, so only the call it is saved in tells it from an activation (engine: cast again)
+WEIGHT_ARGUMENT: dict[Callable, int] = {
+    torch.nn.functional.linear: 1, torch.nn.functional.conv1d: 1, torch.nn.functional.conv2d: 1,
+    torch.nn.functional.conv3d: 1, torch.nn.functional.conv_transpose1d: 1, torch.nn.functional.conv_transpose2d: 1,
+    torch.nn.functional.conv_transpose3d: 1,
+}
+
+
+def tracked_functions() -> set[Callable]:
+    """The functions a ``FunctionTracker`` records: those with a rule and those with a weight argument."""
+    return OP_RULES.keys() | WEIGHT_ARGUMENT.keys()
+
+
 def codec_for_call(call: FunctionCall | None, t: torch.Tensor) -> Codec | None:
     if call is None:
         return None
