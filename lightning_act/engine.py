@@ -107,36 +107,42 @@ class _ParameterCasts(dict):
 _PARAMETER_CASTS = _ParameterCasts()
 
 
+def _recastable(parameter, copy: torch.Tensor, own_storages: frozenset[int]) -> bool:
+    """Whether casting ``parameter`` again gives ``copy`` (its dtype cast: the same device, shape and layout), and
+    the parameter's memory is the model's own (``own_storages``: FSDP's unsharded copies are freed after the forward
+    and gathered again, a new version, before the backward)."""
+    return (type(parameter) is nn.Parameter and parameter.device == copy.device and parameter.dtype != copy.dtype
+            and parameter.shape == copy.shape and parameter.stride() == copy.stride()
+            and parameter.untyped_storage().data_ptr() in own_storages)
+
+
 def _cast_parameter(t: torch.Tensor, own_storages: frozenset[int]) -> torch.Tensor | None:
-    """The parameter ``t`` is a dtype cast of (or a view into such a cast), when casting it again gives that copy's
-    layout and the parameter's memory is the model's own (``own_storages``: FSDP's unsharded copies are freed after
-    the forward and gathered again, a new version, before the backward): the parameter autocast cast for an op."""
+    """The parameter ``t`` is autocast's cast of (or a view into such a cast), when :func:`_recastable`."""
     base = t if t._base is None else t._base
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
         return None
     parameter = getattr(fn.next_functions[0][0], "variable", None)
-    if (parameter is None or type(parameter) is not nn.Parameter or parameter.device != base.device
-            or parameter.dtype == base.dtype or parameter.shape != base.shape or parameter.stride() != base.stride()
-            or parameter.untyped_storage().data_ptr() not in own_storages):
-        return None
-    return parameter
+    return parameter if _recastable(parameter, base, own_storages) else None
 
 
 def _frozen_weight_cast(t: torch.Tensor, call, own_storages: frozenset[int]) -> torch.Tensor | None:
     """The frozen weight (``requires_grad=False``) ``t`` is autocast's copy of (or a view into it), saved by the
-    tracked ``call`` (``F.linear``, a convolution): such a call saves nothing else without autograd history (its
-    input is saved only for the weight's gradient)."""
+    tracked ``call`` (``F.linear``, a convolution), when :func:`_recastable`: such a call saves nothing else without
+    autograd history (its input is saved only for the weight's gradient)."""
     position = op_rules.WEIGHT_ARGUMENT.get(call.func) if call is not None else None
     if position is None:
         return None
     weight = call.args[position] if len(call.args) > position else call.kwargs.get("weight")
     base = t if t._base is None else t._base
-    if (type(weight) is not nn.Parameter or weight.requires_grad or weight.device != base.device
-            or weight.dtype == base.dtype or weight.shape != base.shape or weight.stride() != base.stride()
-            or weight.untyped_storage().data_ptr() not in own_storages):
-        return None
-    return weight
+    return weight if not getattr(weight, "requires_grad", True) and _recastable(weight, base, own_storages) else None
+
+
+def _cast_again(parameter: torch.Tensor, t: torch.Tensor) -> "_Saved":
+    """What autograd holds for ``t``, a cast of ``parameter`` (or a view of one): the parameter, cast again at unpack
+    into ``t``'s view geometry, its version checked."""
+    return _new_saved((parameter, parameter._version, t.shape, None, parameter, None, _PARAMETER_CASTS[t.dtype],
+                       (t.shape, t.stride(), t.storage_offset()), None, 0))
 
 
 @functools.cache
@@ -581,15 +587,13 @@ class ActivationCompressor:
                 # autocast's copy, cached for the rest of the autocast region: the backward casts again, so the
                 # copy lives only as long as the op that made it (BERT-base: about 160 MiB of bf16 weights)
                 torch.clear_autocast_cache()
-                return _new_saved((parameter, parameter._version, shape, None, parameter, None,
-                                   _PARAMETER_CASTS[dtype], (shape, t.stride(), t.storage_offset()), None, 0))
+                return _cast_again(parameter, t)
             return _new_saved((t, version, shape, t, None, None, None, None, None, 0))
         if fn is None and step.tracker is not None and not t.requires_grad and (
                 parameter := _frozen_weight_cast(t, step.tracker.current, step.own_storages)) is not None:
             records.append(_new_record((index, shape, dtype, PARAMETER, "none", 8.0 * t.element_size(), 0, 0, "",
                                         step.phase, False, None)))
-            return _new_saved((parameter, parameter._version, shape, None, parameter, None, _PARAMETER_CASTS[dtype],
-                               (shape, t.stride(), t.storage_offset()), None, 0))
+            return _cast_again(parameter, t)
         ptr = storage.data_ptr()
 
         contiguous = t.is_contiguous()

@@ -29,6 +29,22 @@ def _compressor(model, **kw):
     return act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False, min_numel=1 << 30, **kw))
 
 
+def _forward_peaks(model, x) -> dict[bool, int]:
+    """The forward's peak under bf16 autocast without (False) and with (True) the compressor."""
+    peaks = {}
+    for compressed in (False, True):
+        compressor = _compressor(model) if compressed else None
+
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16), \
+                    (compressor.compress() if compressor else torch.enable_grad()):
+                return model(x)
+
+        forward()
+        peaks[compressed] = measure_step_memory(forward).peak_bytes
+    return peaks
+
+
 def _grads(model, x, compressor=None):
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16), (compressor.compress() if compressor else torch.enable_grad()):
@@ -61,18 +77,7 @@ def test_the_forward_holds_one_layers_copy_not_every_layers():
     """16 Linears of 1024 x 1024: 2 MiB per bf16 copy, 32 MiB that autocast's cache keeps through the forward."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)])
-    x = torch.randn(4, 1024)
-    peaks = {}
-    for compressed in (False, True):
-        compressor = _compressor(model) if compressed else None
-
-        def forward():
-            with torch.autocast("cpu", dtype=torch.bfloat16), \
-                    (compressor.compress() if compressor else torch.enable_grad()):
-                model(x)
-
-        forward()
-        peaks[compressed] = measure_step_memory(forward).peak_bytes
+    peaks = _forward_peaks(model, torch.randn(4, 1024))
     assert peaks[False] >= 32 * MiB, {k: v / MiB for k, v in peaks.items()}
     assert peaks[True] <= 5 * MiB, {k: v / MiB for k, v in peaks.items()}  # 4.0 measured: two copies at most
 
@@ -90,13 +95,16 @@ def test_a_parameter_changed_in_place_before_the_backward_raises():
         out.float().sum().backward()
 
 
-def test_float32_weights_and_views_of_them_are_kept_as_before():
-    """Without autocast nothing is cast: the saved weights are the parameters (or their views), held as saved."""
-    model = _model()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weights_autocast_does_not_cast_are_kept_as_before(dtype):
+    """Without autocast, or for float64 under it (autocast leaves float64 alone), nothing is cast: the saved weights
+    are the parameters (or their views), held as saved."""
+    model = _model().to(dtype)
     compressor = _compressor(model)
-    x = torch.randn(2, 3, 6, 6)
-    with compressor.compress():
+    x = torch.randn(2, 3, 6, 6, dtype=dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.float64), compressor.compress():
         out = model(x)
+    assert out.dtype == dtype
     out.sum().backward()
     reference = copy.deepcopy(model)
     reference.zero_grad(set_to_none=True)
@@ -152,17 +160,7 @@ def test_frozen_weights_hold_no_copy_through_the_forward():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)], nn.Linear(1024, 4))
     model[:16].requires_grad_(False)
-    x = torch.randn(4, 1024, requires_grad=True)  # so the frozen layers' input gradients need their weights
-    peaks = {}
-    for compressed in (False, True):
-        compressor = _compressor(model) if compressed else None
-
-        def forward():
-            with torch.autocast("cpu", dtype=torch.bfloat16), \
-                    (compressor.compress() if compressor else torch.enable_grad()):
-                return model(x)
-
-        forward()
-        peaks[compressed] = measure_step_memory(forward).peak_bytes
+    # x requires grad, so the frozen layers' input gradients need their weights
+    peaks = _forward_peaks(model, torch.randn(4, 1024, requires_grad=True))
     assert peaks[False] >= 32 * MiB, {k: v / MiB for k, v in peaks.items()}
     assert peaks[True] <= 5 * MiB, {k: v / MiB for k, v in peaks.items()}
