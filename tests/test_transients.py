@@ -91,11 +91,9 @@ def test_bfloat16_cast_encodes_and_decodes_without_a_whole_nan_mask(dtype):
 
 
 def test_lorenzo_torch_path_temporaries_are_a_chunks_not_the_tensors():
-    """The lorenzo specification (the torch path) works chunk by chunk: an encode or decode of a tensor twice as
-    large peaks higher by no more than the extra stored and decoded bytes (its workspace is one chunk's,
-    ``formats.lorenzo.CHUNK_ELEMENTS``), and that workspace stays under 200 bytes per chunk element."""
-    from lightning_act.formats import lorenzo as spec
-
+    """The lorenzo torch path works chunk by chunk: an encode or decode of a tensor twice as large peaks higher
+    by no more than the extra stored and decoded bytes (its workspace is one chunk's, ``chunk_elements``), and
+    that workspace stays under 200 bytes per chunk element."""
     codec = act.codecs.get("lorenzo", error_bound=1e-2, backend="torch")
     torch.manual_seed(0)
     peaks = {}
@@ -108,4 +106,4 @@ def test_lorenzo_torch_path_temporaries_are_a_chunks_not_the_tensors():
         peaks[n] = (encode_peak - packed.nbytes, decode_peak - y.numel() * y.element_size())
     (small_encode, small_decode), (large_encode, large_decode) = peaks[N // 8], peaks[N // 4]
     assert large_encode <= small_encode + SLACK and large_decode <= small_decode + SLACK, peaks
-    assert max(large_encode, large_decode) <= 200 * spec.CHUNK_ELEMENTS, peaks
+    assert max(large_encode, large_decode) <= 200 * chunk_elements(torch.device("cpu")), peaks

@@ -1,7 +1,8 @@
 """The ``lorenzo`` codec: error-bounded Lorenzo coding with zero preservation (Jin et al.; the format and its
 guarantee: :mod:`lightning_act.formats.lorenzo`). On the kernel path no step reads a device value on the host:
 the payload is first the most the tensor can store, and is cut to its size once the GPU has written it
-(:mod:`lightning_act.cuda.lorenzo` says how, and what that costs in memory meanwhile)."""
+(:mod:`lightning_act.cuda.lorenzo` says how, and what that costs in memory meanwhile). Off the kernels it runs the
+format's fast torch path (:mod:`lightning_act.formats.lorenzo_fast`), byte for byte the specification's."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,7 @@ from ..cuda.launcher import OneBuffer
 from ..cuda.lorenzo import (TRIMS, bound_scalars, lorenzo_decode_cuda, lorenzo_decode_cuda_packed,
                             lorenzo_encode_cuda_packed, supports)
 from ..formats.floats import FLOAT_DTYPES, check_float_input
-from ..formats.lorenzo import lorenzo_decode_reference, lorenzo_encode_reference
+from ..formats.lorenzo_fast import lorenzo_decode_fast, lorenzo_encode_fast
 from . import register
 from .backend import check_backend
 from .base import Codec, Packed
@@ -46,7 +47,7 @@ class LorenzoCodec(Codec):
         meta = {"error_bound": self._error_bound}
         if not self.runs_kernels(x):
             return Packed(self.name, x.shape, x.dtype, x.device,
-                          lorenzo_encode_reference(x.reshape(-1), self._error_bound), meta)
+                          lorenzo_encode_fast(x.reshape(-1), self._error_bound), meta)
         TRIMS.poll()
         buffers, ends = lorenzo_encode_cuda_packed(x.contiguous(), self._bound)
         packed = Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
@@ -62,7 +63,7 @@ class LorenzoCodec(Codec):
                 return lorenzo_decode_cuda_packed(b, packed.shape, step, packed.dtype)
         elif self.runs_kernels(b["header"], packed.dtype):
             return lorenzo_decode_cuda(b, packed.numel, error_bound, packed.dtype).view(packed.shape)
-        return lorenzo_decode_reference(b, packed.numel, error_bound, packed.dtype).view(packed.shape)
+        return lorenzo_decode_fast(b, packed.numel, error_bound, packed.dtype).view(packed.shape)
 
     def kernels_take(self, dtype: torch.dtype) -> bool:
         return supports(dtype)

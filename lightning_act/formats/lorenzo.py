@@ -189,6 +189,28 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((-t.numel()) % BLOCK)]).view(-1, BLOCK)
 
 
+def choose_modes(w_raw: torch.Tensor, s_raw: torch.Tensor, w_delta: torch.Tensor, s_delta: torch.Tensor,
+                 k: torch.Tensor, lead: torch.Tensor, escaped: torch.Tensor | None, verbatim_bytes: int):
+    """Each block's ``(sizes, mode, w, s, header)`` (int16 storage of the uint16 header) from its statistics:
+    bit lengths and sign flags of its codes (raw) and deltas, nonzero count ``k``, lead-value bytes; ``escaped``
+    (blocks holding an escape) is None when no block may be verbatim (``verbatim_bytes``: 32 values' bytes)."""
+    cost = torch.stack([
+        4 * (w_raw + s_raw),
+        lead + 4 * (w_delta + s_delta),
+        torch.where(k > 0, 4 + (k * (w_raw + s_raw) + 7) // 8, 1 << 30),
+    ], dim=1)
+    if escaped is not None:
+        cost = torch.cat([torch.where(escaped[:, None], 1 << 30, cost),
+                          torch.full_like(k, verbatim_bytes)[:, None]], dim=1)
+    sizes, mode = cost.min(dim=1)  # first minimum: ties go to the lower mode
+    use_delta, verbatim = mode == MODE_LORENZO, mode == MODE_VERBATIM
+    w = torch.where(use_delta, w_delta, torch.where(verbatim, 0, w_raw))
+    s = torch.where(use_delta, s_delta, ~verbatim & s_raw)
+    header = (w | (s.to(torch.int64) << 5) | (mode << 6) | (torch.where(mode == MODE_SPARSE, k, 0) << 8)
+              | (torch.where(use_delta, lead - 1, 0) << 14))
+    return sizes, mode, w, s, header.to(torch.int32).to(torch.int16)  # the uint16 bit pattern
+
+
 def encode_blocks(q: torch.Tensor, raw: torch.Tensor | None = None,
                   escape: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Headers (int16 storage of the uint16 headers) and payload bytes of a flat int32 code tensor. ``raw`` (the
@@ -201,27 +223,12 @@ def encode_blocks(q: torch.Tensor, raw: torch.Tensor | None = None,
 
     nonzero = codes != 0
     k = nonzero.sum(dim=1)
-    w_raw = bit_length(codes.abs().amax(dim=1))
-    w_delta = bit_length(deltas.abs().amax(dim=1))
-    s_raw = (codes < 0).any(dim=1)
-    s_delta = (deltas < 0).any(dim=1)
-    cost = torch.stack([
-        4 * (w_raw + s_raw),
-        lead + 4 * (w_delta + s_delta),
-        torch.where(k > 0, 4 + (k * (w_raw + s_raw) + 7) // 8, 1 << 30),
-    ], dim=1)
-    verbatim_bytes = 0
-    if raw is not None:
-        verbatim_bytes = BLOCK * raw.element_size()
-        escaped = _blocks(escape).any(dim=1, keepdim=True)
-        cost = torch.cat([torch.where(escaped, 1 << 30, cost), torch.full_like(k, verbatim_bytes)[:, None]], dim=1)
-    sizes, mode = cost.min(dim=1)  # first minimum: ties go to the lower mode
+    escaped = None if raw is None else _blocks(escape).any(dim=1)
+    verbatim_bytes = 0 if raw is None else BLOCK * raw.element_size()
+    sizes, mode, w, s, header = choose_modes(
+        bit_length(codes.abs().amax(dim=1)), (codes < 0).any(dim=1), bit_length(deltas.abs().amax(dim=1)),
+        (deltas < 0).any(dim=1), k, lead, escaped, verbatim_bytes)
     use_delta, verbatim = mode == MODE_LORENZO, mode == MODE_VERBATIM
-    w = torch.where(use_delta, w_delta, torch.where(verbatim, 0, w_raw))
-    s = torch.where(use_delta, s_delta, ~verbatim & s_raw)
-    header = (w | (s.to(torch.int64) << 5) | (mode << 6) | (torch.where(mode == MODE_SPARSE, k, 0) << 8)
-              | (torch.where(use_delta, lead - 1, 0) << 14))
-    header = header.to(torch.int32).to(torch.int16)  # the uint16 bit pattern
     if not bool((sizes > 0).any()):
         return header, q.new_zeros(0, dtype=torch.uint8)
 

@@ -1,0 +1,274 @@
+"""The fast torch path of the Lorenzo format: the headers and payload bytes of
+:func:`~lightning_act.formats.lorenzo.lorenzo_encode_reference` (the specification, kept as the test oracle) and
+the values of its decode, in far fewer whole-tensor passes. The codec runs it wherever the kernels do not: CPU
+tensors, float64, CUDA without CuPy.
+
+What the specification spends its time on, and what replaces it here:
+
+- **Prequantization** (about 30 whole-tensor ops): the common case in about 12. ``q0 = rint(x * inv)`` is
+  accepted where ``|x - r(q0)| < eb``, or 0 where ``|x| <= eb``; one min/max of ``t`` over the chunk proves every
+  ``|t| < TMAX`` (else that test runs per element). The other elements (their ``q1`` and escapes: rare, and none
+  in most tensors) go through the specification's own ``prequantize``, which is elementwise.
+- **Bit planes** (a byte per lane and plane, then bit packing): 8 x 8 bit-matrix transposes of int64 words. Eight
+  lanes' byte ``B`` of ``|v|`` in one word become that word's 8 plane bytes (planes ``8B .. 8B + 7``), 18 integer
+  ops on an eighth of the elements per 8 planes. Sign and nonzero-lane words take one multiplication per 8 lanes.
+- **The sparse stream** (a scatter of every bit): the block's nonzero codes moved to its first lanes (one
+  scatter), so each plane word of them is the stream's ``k`` bits at bit ``p * k``; a dense block's stream is the
+  same with ``k = 32``. One scatter per block and plane, none per bit.
+- **Assembly**: each block a row of the chunk's widest coded block (4 bytes of prefix: lead value or nonzero
+  mask; then the stream's words), its bytes kept in block order by one masked select; verbatim blocks (escapes,
+  incompressible data) written at their offsets.
+
+Decode reverses each step: rows gathered at the headers' offsets, plane words cut from the stream by shifts,
+the same transposes (an 8 x 8 transpose is its own inverse), nonzero codes spread back to their lanes, Lorenzo
+deltas summed. Chunks of whole blocks bound the temporaries (:func:`~lightning_act.formats.quantize.chunk_elements`,
+a core's L2 share per torch thread on CPU). Byte views assume a little-endian host, as torch does everywhere.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .lorenzo import (
+    BLOCK,
+    MODE_LORENZO,
+    MODE_SPARSE,
+    MODE_VERBATIM,
+    TMAX,
+    _lead_bytes,
+    bit_length,
+    block_sizes,
+    checked_float,
+    choose_modes,
+    prequantize,
+    working_bound,
+)
+from .quantize import chunk_elements
+
+_WORD = 0xFFFFFFFF
+# 8 bytes of 0 or 1 in an int64 word -> their 8 bits in its top byte (formats._bitpack's 1-bit multiplier)
+_GATHER_BITS = 0x0102040810204080
+# the three delta swaps of an 8 x 8 bit-matrix transpose (bit 8 * row + col <-> bit 8 * col + row); each mask
+# is clear in the top bits the right shift fills, so int64's arithmetic shift is as good as a logical one
+_TRANSPOSE_SWAPS = ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0))
+
+
+def _transpose8_(x: torch.Tensor) -> torch.Tensor:
+    """Transpose the 8 x 8 bit matrix in each int64 of ``x``, in place."""
+    for shift, mask in _TRANSPOSE_SWAPS:
+        t = (x >> shift).bitwise_xor_(x).bitwise_and_(mask)
+        x ^= t
+        x ^= t << shift
+    return x
+
+
+def _lane_words(flags: torch.Tensor) -> torch.Tensor:
+    """(blocks, 32) bool -> (blocks,) int64 32-bit words, bit ``l`` = ``flags[:, l]``."""
+    eights = flags.contiguous().view(torch.uint8).view(-1, 8).view(torch.int64)
+    low_bytes = ((eights * _GATHER_BITS) >> 56).to(torch.uint8)  # narrowing keeps the gathered byte
+    return low_bytes.view(-1, 4).view(torch.int32).view(-1).to(torch.int64) & _WORD
+
+
+def _magnitude_planes(magnitudes: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """(blocks, 32) int32 magnitudes below 2**(8 * nbytes) -> (blocks, 8 * nbytes) int64 32-bit plane words:
+    word ``p`` bit ``l`` = bit ``p`` of lane ``l``."""
+    blocks = magnitudes.shape[0]
+    lane_bytes = magnitudes.view(torch.uint8).view(blocks, BLOCK, 4)[:, :, :nbytes]
+    words = _transpose8_(lane_bytes.transpose(1, 2).contiguous().view(torch.int64))  # (blocks, B, group of 8 lanes)
+    planes = words.view(torch.uint8).view(blocks, nbytes, 4, 8).transpose(2, 3).contiguous()  # (blocks, B, plane, group)
+    return planes.view(torch.int32).view(blocks, 8 * nbytes).to(torch.int64) & _WORD
+
+
+def _lane_magnitudes(planes: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Inverse of :func:`_magnitude_planes`: (blocks, 8 * nbytes) plane words -> (blocks, 32) int32."""
+    blocks = planes.shape[0]
+    plane_bytes = planes.to(torch.int32).view(torch.uint8).view(blocks, nbytes, 8, 4).transpose(2, 3).contiguous()
+    words = _transpose8_(plane_bytes.view(torch.int64))  # (blocks, B, group): byte i = byte B of lane 8 * group + i
+    lane_bytes = torch.zeros(blocks, BLOCK, 4, dtype=torch.uint8, device=planes.device)
+    lane_bytes[:, :, :nbytes] = words.view(torch.uint8).view(blocks, nbytes, BLOCK).transpose(1, 2)
+    return lane_bytes.view(torch.int32).view(blocks, BLOCK)
+
+
+def _prequantize(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The specification's ``prequantize`` of a flat chunk as int32 codes and the escapes' indices."""
+    x32 = x.float()
+    xc = x if x.dtype == torch.float64 else x32
+    t = x32 * inv
+    q = torch.round(t)
+    r = q * step
+    if x.dtype != torch.float32:
+        r = r.to(x.dtype).to(xc.dtype)
+    # An |x| <= eb (code 0 by zero preservation) passes this test only with q0 = 0: a code of +-1 decodes to at
+    # least 2 * eb in magnitude in float32 and float64, so it is at least eb away. |x| = eb exactly fails it and
+    # is left to the specification.
+    error = r.sub_(xc).abs_()
+    lo, hi = torch.aminmax(t)
+    codes = q.to(torch.int32)
+    if x.element_size() == 2:  # a 16-bit r(+-1) may round below 2 * eb: zero preservation tested here
+        zero = xc.abs() <= eb  # False for NaN, which escapes
+        codes.mul_(~zero)
+        error.masked_fill_(zero, 0)
+    # one host read in the common case: every |t| < TMAX (no NaN or Inf either) and every error below eb
+    if bool((torch.maximum(-lo, hi) < TMAX) & (error.amax() < eb)):  # NaN in `error` fails this too
+        return codes, codes.new_zeros(0, dtype=torch.int64)
+    accepted = (error < eb) & (t.abs() < TMAX)
+    if x.element_size() == 2:
+        accepted |= zero
+    rest = (~accepted).nonzero().view(-1)
+    codes[rest], escape = prequantize(x[rest], eb, step, inv)
+    return codes, rest[escape]
+
+
+def _gather_bytes(source: torch.Tensor, base: torch.Tensor, sizes: torch.Tensor, total: int) -> torch.Tensor:
+    """``source[base[b] + offset[b] + i]`` for ``i < sizes[b]``, block after block (``offset``: the exclusive prefix
+    sum of ``sizes``, ``total`` their sum): the blocks' first ``sizes`` bytes of rows starting at ``base``."""
+    offsets = sizes.cumsum(0) - sizes
+    start = torch.repeat_interleave(base - offsets, sizes, output_size=total)
+    return source[start.add_(torch.arange(total, device=source.device))]
+
+
+def _stream_bits(prefix_bits: torch.Tensor, k: torch.Tensor, rmax: int) -> torch.Tensor:
+    """(blocks, rmax) int64: the bit of the block's bytes where plane p's ``k`` bits start, after the prefix."""
+    return prefix_bits[:, None] + torch.arange(rmax, device=k.device)[None, :] * k[:, None]
+
+
+def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Headers and payload of a flat chunk, as the specification's ``encode_blocks`` stores them."""
+    device, pad = x.device, -x.numel() % BLOCK
+    if pad:  # zeros: code 0, and +0.0 in a verbatim block, as the specification pads
+        x = torch.cat([x, x.new_zeros(pad)])
+    blocks = x.numel() // BLOCK
+    q, escapes = _prequantize(x, eb, step, inv)
+    codes = q.view(blocks, BLOCK)
+    deltas = torch.empty_like(codes)
+    deltas[:, 0] = 0  # lane 0 holds no delta: its code is the block's lead value
+    torch.sub(codes[:, 1:], codes[:, :-1], out=deltas[:, 1:])
+    nonzero = codes != 0
+    ranks = nonzero.view(torch.uint8).cumsum(dim=1, dtype=torch.int32)  # 1 + rank of a nonzero code in its block
+    k = ranks[:, -1].to(torch.int64)
+    lead = _lead_bytes(codes[:, 0])
+    escaped = torch.zeros(blocks, dtype=torch.bool, device=device)
+    escaped[escapes // BLOCK] = True
+    verbatim_bytes = BLOCK * x.element_size()
+    sizes, mode, w, s, header = choose_modes(
+        bit_length(codes.abs().amax(dim=1)), codes.amin(dim=1) < 0,
+        bit_length(deltas.abs().amax(dim=1)), deltas.amin(dim=1) < 0, k, lead, escaped, verbatim_bytes)
+    total, rmax, wmax, any_sparse, any_verbatim = torch.stack([
+        sizes.sum(), (w + s).max(), w.max(), (mode == MODE_SPARSE).any(), (mode == MODE_VERBATIM).any()]).tolist()
+    if not total:
+        return header, torch.empty(0, dtype=torch.uint8, device=device)
+
+    use_delta, sparse = mode == MODE_LORENZO, mode == MODE_SPARSE
+    values = codes.clone()  # Lorenzo blocks store their deltas, 0 in lane 0 (the lead value is the prefix)
+    values[:, 1:] -= codes[:, :-1] * use_delta[:, None]
+    values[:, 0] *= ~use_delta
+    if any_sparse:  # sparse blocks: nonzero codes to the first lanes, in lane order (other blocks: lanes stay)
+        lane = torch.arange(BLOCK, dtype=torch.int32, device=device)
+        slot = torch.where(sparse[:, None], ranks - 1, lane).clamp_(min=0).to(torch.int64)  # zero lanes add 0
+        values = torch.zeros_like(values).scatter_add_(1, slot, values)
+    # the prefix: a Lorenzo block's lead value in its `lead` bytes, a sparse block's nonzero-lane word
+    prefix_bits = torch.where(use_delta, 8 * lead, torch.where(sparse, 32, 0))
+    prefix = torch.where(use_delta, codes[:, 0].to(torch.int64), _lane_words(nonzero))
+    prefix &= (torch.ones_like(prefix_bits) << prefix_bits) - 1
+
+    # plane p: the sign word first in signed blocks, then magnitude bits from the lowest; its k bits (k = 32 in
+    # dense blocks) at bit prefix + p * k of the block's bytes, spanning at most two 32-bit words
+    nbytes = -(-wmax // 8)
+    magnitude = _magnitude_planes(values.abs(), nbytes) if nbytes else values.new_zeros(blocks, 0, dtype=torch.int64)
+    magnitude = F.pad(magnitude, (0, max(rmax - magnitude.shape[1], 0)))[:, :rmax]
+    signed = torch.cat([_lane_words(values < 0)[:, None], magnitude[:, : rmax - 1]], dim=1)[:, :rmax]
+    planes = torch.where(s[:, None], signed, magnitude)
+    bit = _stream_bits(prefix_bits, torch.where(sparse, k, BLOCK), rmax)
+    shifted, word = planes << (bit & 31), bit >> 5
+    stream = torch.zeros(blocks, rmax + 2, dtype=torch.int64, device=device)
+    stream[:, 0] = prefix
+    stream.scatter_add_(1, word, shifted & _WORD).scatter_add_(1, word + 1, shifted >> 32)
+
+    rows = stream.to(torch.int32).view(torch.uint8)  # each block's bytes from the start of its row
+    source, base = rows.view(-1), torch.arange(blocks, device=device) * rows.shape[1]
+    if any_verbatim:  # their 32 values, |xc| <= eb as +0.0, after the rows
+        verbatim_rows = (mode == MODE_VERBATIM).nonzero().view(-1)
+        raw = x.view(blocks, BLOCK)[verbatim_rows]
+        raw = torch.where(checked_float(raw).abs() <= eb, 0, raw)
+        base[verbatim_rows] = source.numel() + verbatim_bytes * torch.arange(verbatim_rows.numel(), device=device)
+        source = torch.cat([source, raw.view(torch.uint8).view(-1)])
+    return header, _gather_bytes(source, base, sizes, total)
+
+
+def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor, step: float) -> None:
+    """Decode a chunk's whole blocks (``header``, exactly their ``payload``) into ``out`` (its flat elements)."""
+    device, blocks, itemsize = header.device, header.numel(), out.element_size()
+    sizes, w, s, mode, k, lead = block_sizes(header, itemsize)
+    use_delta, sparse, verbatim = mode == MODE_LORENZO, mode == MODE_SPARSE, mode == MODE_VERBATIM
+    offsets = sizes.cumsum(0) - sizes
+    rmax, wmax, any_sparse, any_delta = torch.stack([(w + s).max(), w.max(), sparse.any(), use_delta.any()]).tolist()
+    if payload.numel():
+        column = torch.arange(4 * (rmax + 2), device=device)
+        rows = payload[(offsets[:, None] + column).clamp_(max=payload.numel() - 1)]  # bytes past a block: unused
+        words = rows.view(torch.int32).to(torch.int64) & _WORD
+        prefix_bits = torch.where(use_delta, 8 * lead, torch.where(sparse, 32, 0))
+        prefix = words[:, 0] & ((torch.ones_like(prefix_bits) << prefix_bits) - 1)
+        k_eff = torch.where(sparse, k, BLOCK)
+        bit = _stream_bits(prefix_bits, k_eff, rmax)
+        word = bit >> 5
+        two_words = words.gather(1, word) | (words.gather(1, word + 1) << 32)
+        planes = (two_words >> (bit & 31)) & ((torch.ones_like(k_eff) << k_eff) - 1)[:, None]
+        planes *= torch.arange(rmax, device=device)[None, :] < (w + s)[:, None]  # the block's own planes only
+        planes = torch.cat([planes, planes.new_zeros(blocks, 1)], dim=1)  # a zero plane past every block's last
+        nbytes = -(-wmax // 8)
+        if nbytes:
+            magnitude_index = (torch.arange(8 * nbytes, device=device)[None, :] + s[:, None]).clamp_(max=rmax)
+            values = _lane_magnitudes(planes.gather(1, magnitude_index), nbytes)
+        else:
+            values = torch.zeros(blocks, BLOCK, dtype=torch.int32, device=device)
+        lane = torch.arange(BLOCK, dtype=torch.int32, device=device)
+        negative = ((planes[:, 0] * s).to(torch.int32)[:, None] >> lane) & 1
+        values = (values ^ -negative) + negative  # two's complement negation where the sign bit is set
+        if any_sparse:  # the nonzero codes back to their lanes (other blocks: every lane present, none moves)
+            present = (torch.where(sparse, prefix, _WORD).to(torch.int32)[:, None] >> lane) & 1
+            slot = present.cumsum(dim=1).sub_(1).mul_(present)
+            values = values.gather(1, slot).mul_(present)
+        if any_delta:  # lead value (two's complement in its bytes) plus the deltas' prefix sums
+            lead_bits = 8 * lead.clamp(min=1)
+            lead_value = prefix - (prefix >= (torch.ones_like(lead_bits) << (lead_bits - 1))) * (torch.ones_like(lead_bits) << lead_bits)
+            summed = values.cumsum(dim=1, dtype=torch.int32).add_(lead_value.to(torch.int32)[:, None])
+            values += (summed - values) * use_delta[:, None]
+        codes = values
+    else:
+        codes = torch.zeros(blocks, BLOCK, dtype=torch.int32, device=device)
+    decoded = (codes.float() * step).to(out.dtype).view(-1)
+    verbatim_rows = verbatim.nonzero().view(-1)
+    if verbatim_rows.numel():
+        byte = torch.arange(BLOCK * itemsize, device=device)
+        stored = payload[offsets[verbatim_rows, None] + byte].view(out.dtype)
+        decoded.view(blocks, BLOCK)[verbatim_rows] = stored
+    out.copy_(decoded[: out.numel()])
+
+
+def lorenzo_encode_fast(flat: torch.Tensor, error_bound: float) -> dict[str, torch.Tensor]:
+    """Buffers ``header`` and ``payload`` of a flat tensor, byte for byte :func:`lorenzo_encode_reference`'s."""
+    eb, step, inv = working_bound(error_bound)
+    chunk = chunk_elements(flat.device)  # a multiple of the block
+    parts = [_encode_chunk(flat[e0: e0 + chunk], eb, step, inv) for e0 in range(0, flat.numel(), chunk)]
+    if not parts:
+        return {"header": torch.empty(0, dtype=torch.int16, device=flat.device),
+                "payload": torch.empty(0, dtype=torch.uint8, device=flat.device)}
+    return {"header": torch.cat([h for h, _ in parts]), "payload": torch.cat([p for _, p in parts])}
+
+
+def lorenzo_decode_fast(buffers: dict[str, torch.Tensor], numel: int, error_bound: float,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of ``numel`` elements in ``dtype``, bit for bit :func:`lorenzo_decode_reference`'s; the
+    payload may be longer than the headers' total (the CUDA encode's reservation)."""
+    _, step, _ = working_bound(error_bound)
+    header, payload = buffers["header"], buffers["payload"]
+    out = torch.empty(numel, dtype=dtype, device=header.device)
+    chunk = chunk_elements(header.device)
+    per_chunk = chunk // BLOCK
+    ends = block_sizes(header, out.element_size())[0].cumsum(0)
+    starts = [0] + ends[per_chunk - 1:: per_chunk].tolist()  # payload offset of each chunk's first block
+    for i, e0 in enumerate(range(0, numel, chunk)):
+        b0 = i * per_chunk
+        end = starts[i + 1] if i + 1 < len(starts) else int(ends[-1])
+        _decode_chunk(header[b0: b0 + per_chunk], payload[starts[i]: end], out[e0: e0 + chunk], step)
+    return out
