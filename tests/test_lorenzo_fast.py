@@ -20,7 +20,7 @@ from lightning_act.formats.lorenzo import (
 from lightning_act.formats.lorenzo_fast import lorenzo_decode_fast, lorenzo_encode_fast
 from tests.cuda_emulation.checks import assert_same_bits
 from tests.cuda_emulation.nan_payloads import nan_payload_groups
-from tests.test_lorenzo import DTYPES, adversarial_values, tensors
+from tests.lorenzo_cases import DTYPES, adversarial_values, tensors
 
 
 def assert_matches_specification(flat: torch.Tensor, error_bound: float) -> dict[str, torch.Tensor]:
