@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import lightning_act as act
 from lightning_act.codecs.lorenzo import LorenzoCodec
