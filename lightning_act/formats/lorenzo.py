@@ -136,9 +136,9 @@ def prequantize(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[to
 
 
 def bit_length(mag: torch.Tensor) -> torch.Tensor:
-    """Bit length of non-negative integers below 2**31 (0 for 0), exact through float64."""
-    _, exponent = torch.frexp(mag.double())
-    return torch.where(mag > 0, exponent, 0).to(torch.int64)
+    """Bit length of non-negative integers below 2**31 (0 for 0), exact through float64: the biased exponent of
+    ``float64(mag)`` less 1022 (0 has exponent field 0)."""
+    return (mag.double().view(torch.int64) >> 52).sub_(1022).clamp_(min=0)
 
 
 def _planes(v: torch.Tensor, signed: torch.Tensor, rows: int) -> torch.Tensor:
@@ -180,8 +180,7 @@ def _sparse_positions(k: torch.Tensor, nonzero: torch.Tensor, rows: int) -> torc
 
 def _lead_bytes(first: torch.Tensor) -> torch.Tensor:
     """Bytes (1..4) of the shortest little-endian two's complement form of each int32 ``first``."""
-    magnitude = torch.where(first < 0, -(first.to(torch.int64) + 1), first.to(torch.int64))
-    return bit_length(magnitude) // 8 + 1
+    return bit_length(first ^ (first >> 31)) // 8 + 1  # ~first for a negative one: -(first + 1)
 
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,6 @@ from .lorenzo import (
     MODE_SPARSE,
     MODE_VERBATIM,
     TMAX,
-    _lead_bytes,
     bit_length,
     block_sizes,
     checked_float,
@@ -89,6 +88,12 @@ def _lane_magnitudes(planes: torch.Tensor, nbytes: int) -> torch.Tensor:
     return lane_bytes.view(torch.int32).view(blocks, BLOCK)
 
 
+def _abs(v: torch.Tensor) -> torch.Tensor:
+    """|v| of int32 values above -2**31 (torch's integer abs is several times slower on CPU)."""
+    sign = v >> 31
+    return (v ^ sign).sub_(sign)
+
+
 def _prequantize(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The specification's ``prequantize`` of a flat chunk as int32 codes and the escapes' indices."""
     x32 = x.float()
@@ -106,8 +111,9 @@ def _prequantize(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[t
     codes = q.to(torch.int32)
     if x.element_size() == 2:  # a 16-bit r(+-1) may round below 2 * eb: zero preservation tested here
         zero = xc.abs() <= eb  # False for NaN, which escapes
-        codes.mul_(~zero)
-        error.masked_fill_(zero, 0)
+        kept = ~zero
+        codes.mul_(kept)
+        error.mul_(kept)  # 0 where zero (a finite error there); NaN stays NaN
     # one host read in the common case: every |t| < TMAX (no NaN or Inf either) and every error below eb
     if bool((torch.maximum(-lo, hi) < TMAX) & (error.amax() < eb)):  # NaN in `error` fails this too
         return codes, codes.new_zeros(0, dtype=torch.int64)
@@ -119,12 +125,12 @@ def _prequantize(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[t
     return codes, rest[escape]
 
 
-def _gather_bytes(source: torch.Tensor, base: torch.Tensor, sizes: torch.Tensor, total: int) -> torch.Tensor:
-    """``source[base[b] + offset[b] + i]`` for ``i < sizes[b]``, block after block (``offset``: the exclusive prefix
-    sum of ``sizes``, ``total`` their sum): the blocks' first ``sizes`` bytes of rows starting at ``base``."""
+def _byte_positions(base: torch.Tensor, sizes: torch.Tensor, total: int) -> torch.Tensor:
+    """``base[b] + i`` for ``i < sizes[b]``, block after block (``total``: the sum of ``sizes``): where each payload
+    byte sits in rows that start at ``base``."""
     offsets = sizes.cumsum(0) - sizes
     start = torch.repeat_interleave(base - offsets, sizes, output_size=total)
-    return source[start.add_(torch.arange(total, device=source.device))]
+    return start.add_(torch.arange(total, device=base.device))
 
 
 def _stream_bits(prefix_bits: torch.Tensor, k: torch.Tensor, rmax: int) -> torch.Tensor:
@@ -146,13 +152,15 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
     nonzero = codes != 0
     ranks = nonzero.view(torch.uint8).cumsum(dim=1, dtype=torch.int32)  # 1 + rank of a nonzero code in its block
     k = ranks[:, -1].to(torch.int64)
-    lead = _lead_bytes(codes[:, 0])
     escaped = torch.zeros(blocks, dtype=torch.bool, device=device)
     escaped[escapes // BLOCK] = True
     verbatim_bytes = BLOCK * x.element_size()
-    sizes, mode, w, s, header = choose_modes(
-        bit_length(codes.abs().amax(dim=1)), codes.amin(dim=1) < 0,
-        bit_length(deltas.abs().amax(dim=1)), deltas.amin(dim=1) < 0, k, lead, escaped, verbatim_bytes)
+    first = codes[:, 0]
+    w_raw, w_delta, lead = bit_length(torch.stack([
+        _abs(codes).amax(dim=1), _abs(deltas).amax(dim=1), first ^ (first >> 31)]))  # see _lead_bytes
+    lead = lead // 8 + 1
+    sizes, mode, w, s, header = choose_modes(w_raw, codes.amin(dim=1) < 0, w_delta, deltas.amin(dim=1) < 0, k,
+                                             lead, escaped, verbatim_bytes)
     total, rmax, wmax, any_sparse, any_verbatim = torch.stack([
         sizes.sum(), (w + s).max(), w.max(), (mode == MODE_SPARSE).any(), (mode == MODE_VERBATIM).any()]).tolist()
     if not total:
@@ -174,7 +182,7 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
     # plane p: the sign word first in signed blocks, then magnitude bits from the lowest; its k bits (k = 32 in
     # dense blocks) at bit prefix + p * k of the block's bytes, spanning at most two 32-bit words
     nbytes = -(-wmax // 8)
-    magnitude = _magnitude_planes(values.abs(), nbytes) if nbytes else values.new_zeros(blocks, 0, dtype=torch.int64)
+    magnitude = _magnitude_planes(_abs(values), nbytes) if nbytes else values.new_zeros(blocks, 0, dtype=torch.int64)
     magnitude = F.pad(magnitude, (0, max(rmax - magnitude.shape[1], 0)))[:, :rmax]
     signed = torch.cat([_lane_words(values < 0)[:, None], magnitude[:, : rmax - 1]], dim=1)[:, :rmax]
     planes = torch.where(s[:, None], signed, magnitude)
@@ -192,7 +200,7 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
         raw = torch.where(checked_float(raw).abs() <= eb, 0, raw)
         base[verbatim_rows] = source.numel() + verbatim_bytes * torch.arange(verbatim_rows.numel(), device=device)
         source = torch.cat([source, raw.view(torch.uint8).view(-1)])
-    return header, _gather_bytes(source, base, sizes, total)
+    return header, source[_byte_positions(base, sizes, total)]
 
 
 def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor, step: float) -> None:
@@ -202,10 +210,15 @@ def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor
     use_delta, sparse, verbatim = mode == MODE_LORENZO, mode == MODE_SPARSE, mode == MODE_VERBATIM
     offsets = sizes.cumsum(0) - sizes
     rmax, wmax, any_sparse, any_delta = torch.stack([(w + s).max(), w.max(), sparse.any(), use_delta.any()]).tolist()
-    if payload.numel():
-        column = torch.arange(4 * (rmax + 2), device=device)
-        rows = payload[(offsets[:, None] + column).clamp_(max=payload.numel() - 1)]  # bytes past a block: unused
-        words = rows.view(torch.int32).to(torch.int64) & _WORD
+    total = payload.numel()
+    if total:
+        # each block's bytes to the start of its row (verbatim blocks: to a scratch row after them, read below)
+        width = 4 * (rmax + 2)
+        base = torch.arange(blocks, device=device) * width
+        base.masked_fill_(verbatim, blocks * width)
+        rows = torch.zeros(blocks * width + BLOCK * itemsize, dtype=torch.uint8, device=device)
+        rows[_byte_positions(base, sizes, total)] = payload
+        words = rows[: blocks * width].view(torch.int32).view(blocks, rmax + 2).to(torch.int64) & _WORD
         prefix_bits = torch.where(use_delta, 8 * lead, torch.where(sparse, 32, 0))
         prefix = words[:, 0] & ((torch.ones_like(prefix_bits) << prefix_bits) - 1)
         k_eff = torch.where(sparse, k, BLOCK)
@@ -226,8 +239,8 @@ def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor
         values = (values ^ -negative) + negative  # two's complement negation where the sign bit is set
         if any_sparse:  # the nonzero codes back to their lanes (other blocks: every lane present, none moves)
             present = (torch.where(sparse, prefix, _WORD).to(torch.int32)[:, None] >> lane) & 1
-            slot = present.cumsum(dim=1).sub_(1).mul_(present)
-            values = values.gather(1, slot).mul_(present)
+            slot = present.cumsum(dim=1, dtype=torch.int32).sub_(1).mul_(present)
+            values = values.gather(1, slot.to(torch.int64)).mul_(present)
         if any_delta:  # lead value (two's complement in its bytes) plus the deltas' prefix sums
             lead_bits = 8 * lead.clamp(min=1)
             lead_value = prefix - (prefix >= (torch.ones_like(lead_bits) << (lead_bits - 1))) * (torch.ones_like(lead_bits) << lead_bits)
@@ -236,13 +249,19 @@ def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor
         codes = values
     else:
         codes = torch.zeros(blocks, BLOCK, dtype=torch.int32, device=device)
-    decoded = (codes.float() * step).to(out.dtype).view(-1)
+    whole = out.numel() == blocks * BLOCK  # all but a tensor's last chunk: decoded straight into `out`
+    decoded = out if whole else torch.empty(blocks * BLOCK, dtype=out.dtype, device=device)
+    if out.dtype == torch.float32:
+        torch.mul(codes.view(-1), step, out=decoded)  # int32 * float -> float32, as float32(q) * step
+    else:
+        decoded.copy_(codes.view(-1).float().mul_(step))
     verbatim_rows = verbatim.nonzero().view(-1)
     if verbatim_rows.numel():
         byte = torch.arange(BLOCK * itemsize, device=device)
         stored = payload[offsets[verbatim_rows, None] + byte].view(out.dtype)
         decoded.view(blocks, BLOCK)[verbatim_rows] = stored
-    out.copy_(decoded[: out.numel()])
+    if not whole:
+        out.copy_(decoded[: out.numel()])
 
 
 def lorenzo_encode_fast(flat: torch.Tensor, error_bound: float) -> dict[str, torch.Tensor]:
