@@ -6,7 +6,6 @@ from hypothesis import given, settings
 
 import lightning_act as act
 from lightning_act.formats import lorenzo_fast
-from lightning_act.formats import quantize as quantize_format
 from lightning_act.formats.lorenzo import (
     MODE_LORENZO,
     MODE_RAW,
@@ -40,7 +39,7 @@ def modes(encoded: dict[str, torch.Tensor], dtype: torch.dtype) -> set[int]:
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 3 blocks: every tensor below spans several, the last one short."""
-    monkeypatch.setattr(quantize_format, "CHUNK_ELEMENTS", 96)
+    monkeypatch.setattr(lorenzo_fast, "CHUNK_ELEMENTS", 96)
 
 
 def test_bit_matrix_transpose_and_plane_words_match_their_definitions():

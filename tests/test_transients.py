@@ -92,18 +92,21 @@ def test_bfloat16_cast_encodes_and_decodes_without_a_whole_nan_mask(dtype):
 
 def test_lorenzo_torch_path_temporaries_are_a_chunks_not_the_tensors():
     """The lorenzo torch path works chunk by chunk: an encode or decode of a tensor twice as large peaks higher
-    by no more than the extra stored and decoded bytes (its workspace is one chunk's, ``chunk_elements``), and
-    that workspace stays under 200 bytes per chunk element."""
+    by no more than the extra stored and decoded bytes (its workspace is one chunk's,
+    ``formats.lorenzo_fast.chunk_elements``), and that workspace stays under 200 bytes per chunk element."""
+    from lightning_act.formats.lorenzo_fast import chunk_elements as lorenzo_chunk
+
+    chunk = lorenzo_chunk(torch.device("cpu"))
     codec = act.codecs.get("lorenzo", error_bound=1e-2, backend="torch")
     torch.manual_seed(0)
     peaks = {}
-    for n in (N // 8, N // 4):  # 4 and 8 chunks
+    for n in (4 * chunk, 8 * chunk):
         x = torch.randn(n).relu_()
         codec.encode(x)  # warm-up (see the mask tests)
         encode_peak, packed = _peak(lambda: codec.encode(x))
         decode_peak, y = _peak(lambda: codec.decode(packed))
         assert (y - x).abs().max() <= 1e-2
         peaks[n] = (encode_peak - packed.nbytes, decode_peak - y.numel() * y.element_size())
-    (small_encode, small_decode), (large_encode, large_decode) = peaks[N // 8], peaks[N // 4]
+    (small_encode, small_decode), (large_encode, large_decode) = peaks[4 * chunk], peaks[8 * chunk]
     assert large_encode <= small_encode + SLACK and large_decode <= small_decode + SLACK, peaks
-    assert max(large_encode, large_decode) <= 200 * chunk_elements(torch.device("cpu")), peaks
+    assert max(large_encode, large_decode) <= 200 * chunk, peaks

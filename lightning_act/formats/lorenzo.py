@@ -193,21 +193,21 @@ def choose_modes(w_raw: torch.Tensor, s_raw: torch.Tensor, w_delta: torch.Tensor
     """Each block's ``(sizes, mode, w, s, header)`` (int16 storage of the uint16 header) from its statistics:
     bit lengths and sign flags of its codes (raw) and deltas, nonzero count ``k``, lead-value bytes; ``escaped``
     (blocks holding an escape) is None when no block may be verbatim (``verbatim_bytes``: 32 values' bytes)."""
-    cost = torch.stack([
-        4 * (w_raw + s_raw),
-        lead + 4 * (w_delta + s_delta),
-        torch.where(k > 0, 4 + (k * (w_raw + s_raw) + 7) // 8, 1 << 30),
-    ], dim=1)
+    raw_rows = w_raw + s_raw
+    cost = torch.empty(k.numel(), 3 if escaped is None else 4, dtype=torch.int64, device=k.device)
+    torch.mul(raw_rows, 4, out=cost[:, MODE_RAW])
+    torch.add(lead, 4 * (w_delta + s_delta), out=cost[:, MODE_LORENZO])
+    torch.add((k * raw_rows + 7) >> 3, 4, out=cost[:, MODE_SPARSE]).masked_fill_(k == 0, 1 << 30)
     if escaped is not None:
-        cost = torch.cat([torch.where(escaped[:, None], 1 << 30, cost),
-                          torch.full_like(k, verbatim_bytes)[:, None]], dim=1)
+        cost[:, :MODE_VERBATIM].masked_fill_(escaped[:, None], 1 << 30)
+        cost[:, MODE_VERBATIM] = verbatim_bytes
     sizes, mode = cost.min(dim=1)  # first minimum: ties go to the lower mode
     use_delta, verbatim = mode == MODE_LORENZO, mode == MODE_VERBATIM
-    w = torch.where(use_delta, w_delta, torch.where(verbatim, 0, w_raw))
-    s = torch.where(use_delta, s_delta, ~verbatim & s_raw)
-    header = (w | (s.to(torch.int64) << 5) | (mode << 6) | (torch.where(mode == MODE_SPARSE, k, 0) << 8)
-              | (torch.where(use_delta, lead - 1, 0) << 14))
-    return sizes, mode, w, s, header.to(torch.int32).to(torch.int16)  # the uint16 bit pattern
+    w = torch.where(use_delta, w_delta, w_raw).masked_fill_(verbatim, 0)
+    s = torch.where(use_delta, s_delta, s_raw).masked_fill_(verbatim, False)
+    header = (w | (s.to(torch.int64) << 5) | (mode << 6) | ((mode == MODE_SPARSE) * k << 8)
+              | (use_delta * (lead - 1) << 14))
+    return sizes, mode, w, s, header.to(torch.int16)  # the uint16 bit pattern (int64 -> int16 wraps)
 
 
 def encode_blocks(q: torch.Tensor, raw: torch.Tensor | None = None,
