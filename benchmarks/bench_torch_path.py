@@ -8,15 +8,17 @@ in GB/s of input tensor, next to two copies of the same tensor.
 - ``copy_``: ``out.copy_(x)`` into a tensor allocated once: the machine's copy bandwidth, no faults.
 
 A ReLU'd Gaussian activation (default 16 x 256 x 56 x 56, a ResNet stage-1 map at batch 16) in float32,
-bfloat16 and float16; ``quantize`` at 1, 2, 4, 8 bits and ``division`` (B=8, Q=2), ``backend="torch"``, and
-again with ``backend="compile"`` (``torch.compile``'s inductor: the first encode and decode, which compile, are
+bfloat16 and float16; ``quantize`` at 1, 2, 4, 8 bits, ``division`` (B=8, Q=2) and ``lorenzo`` (absolute bound
+1e-2, its fast torch path), ``backend="torch"``, and those with a compiled pipeline (quantize, division) again
+with ``backend="compile"`` (``torch.compile``'s inductor: the first encode and decode, which compile, are
 timed apart and left out of the rates). Each repeat times clone, copy_, encode and decode in turn (so
 a change of machine load hits all four alike); the rates are medians of the repeats after one warm-up round.
 ``--threads 1 2`` measures each thread count.
 
     python benchmarks/bench_torch_path.py [--shape 16 256 56 56 | --shapes 16x256x56x56 4x256x56x56 ...]
                                           [--repeats 5] [--threads N [N ...]] [--dtypes float32 bfloat16 float16]
-                                          [--compiled CODEC ...] [--out benchmarks/results/torch_path.md]
+                                          [--codecs CODEC ...] [--compiled CODEC ...]
+                                          [--out benchmarks/results/torch_path.md]
 """
 from __future__ import annotations
 
@@ -32,11 +34,12 @@ import lightning_act as act
 from models import MachineLoad, machine, publish
 
 HERE = Path(__file__).resolve().parent
-CODECS = {**{f"quantize {b}-bit": ("quantize", {"bits": b}) for b in (1, 2, 4, 8)}, "division": ("division", {})}
+CODECS = {**{f"quantize {b}-bit": ("quantize", {"bits": b}) for b in (1, 2, 4, 8)}, "division": ("division", {}),
+          "lorenzo eb=1e-2": ("lorenzo", {"error_bound": 1e-2})}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TITLE = "Torch path encode/decode GB/s and fraction of clone"
 TARGET = 0.25  # issue #20: encode at 1/4 or more of clone bandwidth
-COMPILED = tuple(CODECS)  # the codecs with a compiled path: all of them
+COMPILED = tuple(name for name, (codec, _) in CODECS.items() if codec != "lorenzo")  # those with a compiled path
 
 
 def _faults() -> int:
@@ -145,7 +148,8 @@ def description(rows: list[dict]) -> str:
             "call, the issue's baseline; its page faults per call in brackets: a large fresh allocation is mapped in "
             "by the kernel page by page, so "
             "clone is the copy plus the faults); copy_: `out.copy_(x)` into a tensor allocated once (the copy "
-            f"alone). ✗: encode below {TARGET:g} of clone (issue #20's target). division: B=8, Q=2. compile: "
+            f"alone). ✗: encode below {TARGET:g} of clone (issue #20's target). division: B=8, Q=2; lorenzo: absolute "
+            "bound 1e-2. compile: "
             "`torch.compile` (inductor) of the codec's chunk pipeline; its first encode and decode, in elapsed "
             "seconds, compile the variant (or find it compiled earlier in the run, or in inductor's on-disk "
             "cache) and are left out of the rates.")
@@ -175,6 +179,7 @@ def main(argv=None) -> list[dict]:
                         help="wall: elapsed time; cpu: this process's CPU time (one thread: an unshared core's time)")
     parser.add_argument("--threads", type=int, nargs="+", help="torch thread counts to measure (default: torch's)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS))
     parser.add_argument("--compiled", nargs="*", choices=COMPILED, default=list(COMPILED),
                         help="codecs also measured with backend='compile' (none: leave them out)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "torch_path.md")
@@ -187,7 +192,8 @@ def main(argv=None) -> list[dict]:
         for shape in shapes:
             for threads in args.threads or [torch.get_num_threads()]:
                 torch.set_num_threads(threads)
-                rows += measure(shape, args.repeats, dtypes=tuple(args.dtypes), compiled=tuple(args.compiled))
+                rows += measure(shape, args.repeats, codecs=tuple(args.codecs), dtypes=tuple(args.dtypes),
+                                compiled=tuple(args.compiled))
     command = "python benchmarks/bench_torch_path.py" + (
         f" --shapes {' '.join(args.shapes)}" if args.shapes else
         f" --shape {' '.join(map(str, args.shape))}" if args.shape != [16, 256, 56, 56] else "") + (
@@ -195,6 +201,7 @@ def main(argv=None) -> list[dict]:
         f" --clock {args.clock}" if args.clock != "wall" else "") + (
         f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + (
         f" --dtypes {' '.join(args.dtypes)}" if args.dtypes != list(DTYPES) else "") + (
+        f" --codecs {' '.join(repr(c) for c in args.codecs)}" if args.codecs != list(CODECS) else "") + (
         f" --compiled {' '.join(args.compiled)}" if args.compiled != list(COMPILED) else "")
     publish(report(rows, command, load.summary()), args.out)
     return rows

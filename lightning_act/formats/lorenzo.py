@@ -62,9 +62,11 @@ per 32 elements more than its raw bytes (no escape list, no whole-tensor raw for
 Decode: codes from the payload (mode 1: inclusive prefix sum within the block), ``y = r(q)``; verbatim blocks
 give their values' bits back. A zero code decodes to +0.0; ``r(q)`` of a stored code is never NaN.
 
-Kernels: the CUDA kernels take float32/float16/bfloat16. A float64 tensor (rare: scientific models) runs this
-torch code on any device and with every backend, ``backend="cupy"`` included: a saved tensor never raises for
-its dtype.
+This module is the specification, written to be read; :mod:`lightning_act.formats.lorenzo_fast` computes the same
+bytes and bits in far fewer passes, and is what the codec runs off the kernels (``tests/test_lorenzo_fast.py``
+compares them). Kernels: the CUDA kernels take float32/float16/bfloat16. A float64 tensor (rare: scientific
+models) runs the torch path on any device and with every backend, ``backend="cupy"`` included: a saved tensor
+never raises for its dtype.
 """
 from __future__ import annotations
 

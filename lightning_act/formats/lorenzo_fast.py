@@ -43,9 +43,10 @@ from .lorenzo import (
 )
 from .quantize import GPU_CHUNK_ELEMENTS
 
-# Elements per chunk on CPU, per torch thread: about 60 bytes of temporaries each, so a chunk outgrows a core's L2,
-# but its ~60 per-block ops (on 1/32 of the elements) cost less per element than at 2**17 (8-12% faster encode
-# and decode, measured on a ReLU'd float32 activation). On a GPU, quantize's chunk.
+# Elements per chunk on CPU, per torch thread: about 50 bytes of temporaries each (tests/test_transients.py), so a
+# chunk outgrows a core's L2, but its dozens of per-block ops (on 1/32 of the elements, mostly per-op overhead)
+# cost less per element than at 2**17: 8-12% faster encode and decode, measured on a ReLU'd float32 activation.
+# On a GPU, quantize's chunk.
 CHUNK_ELEMENTS = 1 << 18
 _WORD = 0xFFFFFFFF
 # 8 bytes of 0 or 1 in an int64 word -> their 8 bits in its top byte (formats._bitpack's 1-bit multiplier)
