@@ -164,11 +164,13 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
     escaped[escapes // BLOCK] = True
     verbatim_bytes = BLOCK * x.element_size()
     first = codes[:, 0]
-    w_raw, w_delta, lead = bit_length(torch.stack([
-        _abs(codes).amax(dim=1), _abs(deltas).amax(dim=1), first ^ (first >> 31)]))  # see _lead_bytes
+    codes_lo, deltas_lo = codes.amin(dim=1), deltas.amin(dim=1)
+    w_raw, w_delta, lead = bit_length(torch.stack([  # the largest magnitude: max(max, -min)
+        torch.maximum(codes.amax(dim=1), -codes_lo), torch.maximum(deltas.amax(dim=1), -deltas_lo),
+        first ^ (first >> 31)]))  # the lead value's bytes as _lead_bytes counts them
     lead = lead // 8 + 1
-    sizes, mode, w, s, header = choose_modes(w_raw, codes.amin(dim=1) < 0, w_delta, deltas.amin(dim=1) < 0, k,
-                                             lead, escaped, verbatim_bytes)
+    sizes, mode, w, s, header = choose_modes(w_raw, codes_lo < 0, w_delta, deltas_lo < 0, k, lead, escaped,
+                                             verbatim_bytes)
     total, rmax, wmax, any_sparse, any_verbatim = torch.stack([
         sizes.sum(), (w + s).max(), w.max(), (mode == MODE_SPARSE).any(), (mode == MODE_VERBATIM).any()]).tolist()
     if not total:
