@@ -182,8 +182,10 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
     values[:, 0] *= ~use_delta
     if any_sparse:  # sparse blocks: nonzero codes to the first lanes, in lane order (other blocks: lanes stay)
         lane = torch.arange(BLOCK, dtype=torch.int32, device=device)
-        slot = torch.where(sparse[:, None], ranks - 1, lane).clamp_(min=0).to(torch.int64)  # zero lanes add 0
-        values = torch.zeros_like(values).scatter_add_(1, slot, values)
+        # sparse rows: a code's rank (a zero lane adds 0 where it lands); other rows: its lane. Arithmetic, not
+        # torch.where, which broadcasts slowly on CPU
+        slot = ranks.sub(lane + 1).mul_(sparse.to(torch.int32)[:, None]).add_(lane).clamp_(min=0)
+        values = torch.zeros_like(values).scatter_add_(1, slot.to(torch.int64), values)
     # the prefix: a Lorenzo block's lead value in its `lead` bytes, a sparse block's nonzero-lane word
     prefix_bits = torch.where(use_delta, 8 * lead, torch.where(sparse, 32, 0))
     prefix = torch.where(use_delta, codes[:, 0].to(torch.int64), _lane_words(nonzero))
@@ -195,7 +197,7 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
     magnitude = _magnitude_planes(_abs(values), nbytes) if nbytes else values.new_zeros(blocks, 0, dtype=torch.int64)
     magnitude = F.pad(magnitude, (0, max(rmax - magnitude.shape[1], 0)))[:, :rmax]
     signed = torch.cat([_lane_words(values < 0)[:, None], magnitude[:, : rmax - 1]], dim=1)[:, :rmax]
-    planes = torch.where(s[:, None], signed, magnitude)
+    planes = signed.sub_(magnitude).mul_(s[:, None]).add_(magnitude)  # where signed (broadcast where is slow)
     bit = _stream_bits(prefix_bits, torch.where(sparse, k, BLOCK), rmax)
     shifted, word = planes << (bit & 31), bit >> 5
     stream = torch.zeros(blocks, rmax + 2, dtype=torch.int64, device=device)
@@ -210,7 +212,7 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
         raw = torch.where(checked_float(raw).abs() <= eb, 0, raw)
         base[verbatim_rows] = source.numel() + verbatim_bytes * torch.arange(verbatim_rows.numel(), device=device)
         source = torch.cat([source, raw.view(torch.uint8).view(-1)])
-    return header, source[_byte_positions(base, sizes, total)]
+    return header, source.index_select(0, _byte_positions(base, sizes, total))  # index_select: 4x advanced indexing
 
 
 def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor, step: float) -> None:
@@ -227,7 +229,7 @@ def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor
         base = torch.arange(blocks, device=device) * width
         base.masked_fill_(verbatim, blocks * width)
         rows = torch.zeros(blocks * width + BLOCK * itemsize, dtype=torch.uint8, device=device)
-        rows[_byte_positions(base, sizes, total)] = payload
+        rows.scatter_(0, _byte_positions(base, sizes, total), payload)  # 5x faster than index_put_ on CPU
         words = rows[: blocks * width].view(torch.int32).view(blocks, rmax + 2).to(torch.int64) & _WORD
         prefix_bits = torch.where(use_delta, 8 * lead, torch.where(sparse, 32, 0))
         prefix = words[:, 0] & ((torch.ones_like(prefix_bits) << prefix_bits) - 1)
