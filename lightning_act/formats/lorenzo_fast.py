@@ -80,8 +80,10 @@ def _magnitude_planes(magnitudes: torch.Tensor, nbytes: int) -> torch.Tensor:
     """(blocks, 32) int32 magnitudes below 2**(8 * nbytes) -> (blocks, 8 * nbytes) int64 32-bit plane words:
     word ``p`` bit ``l`` = bit ``p`` of lane ``l``."""
     blocks = magnitudes.shape[0]
-    lane_bytes = magnitudes.view(torch.uint8).view(blocks, BLOCK, 4)[:, :, :nbytes]
-    words = _transpose8_(lane_bytes.transpose(1, 2).contiguous().view(torch.int64))  # (blocks, B, group of 8 lanes)
+    lane_bytes = torch.empty(blocks, nbytes, BLOCK, dtype=torch.uint8, device=magnitudes.device)
+    for byte in range(nbytes):  # the int32 -> uint8 conversion keeps the low byte (a strided byte copy is slower)
+        lane_bytes[:, byte] = magnitudes >> 8 * byte if byte else magnitudes
+    words = _transpose8_(lane_bytes.view(torch.int64))  # (blocks, B, group of 8 lanes)
     planes = words.view(torch.uint8).view(blocks, nbytes, 4, 8).transpose(2, 3).contiguous()  # (blocks, B, plane, group)
     return planes.view(torch.int32).view(blocks, 8 * nbytes).to(torch.int64) & _WORD
 
@@ -91,9 +93,11 @@ def _lane_magnitudes(planes: torch.Tensor, nbytes: int) -> torch.Tensor:
     blocks = planes.shape[0]
     plane_bytes = planes.to(torch.int32).view(torch.uint8).view(blocks, nbytes, 8, 4).transpose(2, 3).contiguous()
     words = _transpose8_(plane_bytes.view(torch.int64))  # (blocks, B, group): byte i = byte B of lane 8 * group + i
-    lane_bytes = torch.zeros(blocks, BLOCK, 4, dtype=torch.uint8, device=planes.device)
-    lane_bytes[:, :, :nbytes] = words.view(torch.uint8).view(blocks, nbytes, BLOCK).transpose(1, 2)
-    return lane_bytes.view(torch.int32).view(blocks, BLOCK)
+    lane_bytes = words.view(torch.uint8).view(blocks, nbytes, BLOCK)
+    magnitudes = lane_bytes[:, 0].to(torch.int32)
+    for byte in range(1, nbytes):
+        magnitudes |= lane_bytes[:, byte].to(torch.int32) << 8 * byte
+    return magnitudes
 
 
 def _abs(v: torch.Tensor) -> torch.Tensor:
