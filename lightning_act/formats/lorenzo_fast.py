@@ -126,10 +126,13 @@ def _prequantize(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[t
         kept = ~zero
         codes.mul_(kept)
         error.mul_(kept)  # 0 where zero (a finite error there); NaN stays NaN
-    # one host read in the common case: every |t| < TMAX (no NaN or Inf either) and every error below eb
-    if bool((torch.maximum(-lo, hi) < TMAX) & (error.amax() < eb)):  # NaN in `error` fails this too
+    # one host read: every |t| < TMAX (no NaN or Inf either), and every error below eb (NaN fails this too)
+    inside, close = torch.stack([torch.maximum(-lo, hi) < TMAX, error.amax() < eb]).tolist()
+    if inside and close:
         return codes, codes.new_zeros(0, dtype=torch.int64)
-    accepted = (error < eb) & (t.abs() < TMAX)
+    accepted = error < eb
+    if not inside:
+        accepted &= t.abs() < TMAX
     if x.element_size() == 2:
         accepted |= zero
     rest = (~accepted).nonzero().view(-1)
