@@ -148,8 +148,8 @@ def description(rows: list[dict]) -> str:
             "call, the issue's baseline; its page faults per call in brackets: a large fresh allocation is mapped in "
             "by the kernel page by page, so "
             "clone is the copy plus the faults); copy_: `out.copy_(x)` into a tensor allocated once (the copy "
-            f"alone). ✗: encode below {TARGET:g} of clone (issue #20's target). division: B=8, Q=2; lorenzo: absolute "
-            "bound 1e-2. compile: "
+            f"alone). ✗: encode below {TARGET:g} of clone (issue #20's target). division: B=8, Q=2; lorenzo: "
+            "absolute bound 1e-2. compile: "
             "`torch.compile` (inductor) of the codec's chunk pipeline; its first encode and decode, in elapsed "
             "seconds, compile the variant (or find it compiled earlier in the run, or in inductor's on-disk "
             "cache) and are left out of the rates.")

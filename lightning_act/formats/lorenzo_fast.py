@@ -15,13 +15,17 @@ What the specification spends its time on, and what replaces it here:
 - **The sparse stream** (a scatter of every bit): the block's nonzero codes moved to its first lanes (one
   scatter), so each plane word of them is the stream's ``k`` bits at bit ``p * k``; a dense block's stream is the
   same with ``k = 32``. One scatter per block and plane, none per bit.
-- **Assembly**: each block a row of the chunk's widest coded block (4 bytes of prefix: lead value or nonzero
-  mask; then the stream's words), its bytes kept in block order by one masked select; verbatim blocks (escapes,
-  incompressible data) written at their offsets.
+- **Assembly**: a block's bytes are one bit stream (the prefix first: a Lorenzo block's lead value in its bytes,
+  a sparse block's nonzero-lane word; then the planes), built in 32-bit words in a row of the chunk's widest
+  block; one ``index_select`` at offsets from the block sizes takes every block's bytes in order, verbatim blocks'
+  values (escapes, incompressible data) appended to the rows it reads from.
 
-Decode reverses each step: rows gathered at the headers' offsets, plane words cut from the stream by shifts,
-the same transposes (an 8 x 8 transpose is its own inverse), nonzero codes spread back to their lanes, Lorenzo
-deltas summed. Chunks of whole blocks bound the temporaries (:func:`chunk_elements`). Byte views assume a little-endian host, as torch does everywhere.
+Decode reverses each step: the payload scattered into rows at the headers' offsets, plane words cut from each
+stream by shifts, the same transposes (an 8 x 8 transpose is its own inverse), nonzero codes spread back to their
+lanes, Lorenzo deltas summed. Chunks of whole blocks bound the temporaries (:func:`chunk_elements`). Byte views
+assume a little-endian host, as torch does everywhere. On CPU, ``torch.where`` with a broadcast condition,
+advanced indexing, ``index_put_`` and int64 cumsums cost several times their alternatives here (arithmetic
+selects, ``index_select``, ``scatter_``, int32 cumsums): ``benchmarks/results/torch_path.md``.
 """
 from __future__ import annotations
 
@@ -84,7 +88,8 @@ def _magnitude_planes(magnitudes: torch.Tensor, nbytes: int) -> torch.Tensor:
     for byte in range(nbytes):  # the int32 -> uint8 conversion keeps the low byte (a strided byte copy is slower)
         lane_bytes[:, byte] = magnitudes >> 8 * byte if byte else magnitudes
     words = _transpose8_(lane_bytes.view(torch.int64))  # (blocks, B, group of 8 lanes)
-    planes = words.view(torch.uint8).view(blocks, nbytes, 4, 8).transpose(2, 3).contiguous()  # (blocks, B, plane, group)
+    # (blocks, B, plane, group): plane 8B + r is its 4 group bytes, a little-endian 32-bit word
+    planes = words.view(torch.uint8).view(blocks, nbytes, 4, 8).transpose(2, 3).contiguous()
     return planes.view(torch.int32).view(blocks, 8 * nbytes).to(torch.int64) & _WORD
 
 
@@ -219,7 +224,7 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
         raw = torch.where(checked_float(raw).abs() <= eb, 0, raw)
         base[verbatim_rows] = source.numel() + verbatim_bytes * torch.arange(verbatim_rows.numel(), device=device)
         source = torch.cat([source, raw.view(torch.uint8).view(-1)])
-    return header, source.index_select(0, _byte_positions(base, sizes, total))  # index_select: 4x advanced indexing
+    return header, source.index_select(0, _byte_positions(base, sizes, total))
 
 
 def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor, step: float) -> None:
@@ -236,7 +241,7 @@ def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor
         base = torch.arange(blocks, device=device) * width
         base.masked_fill_(verbatim, blocks * width)
         rows = torch.zeros(blocks * width + BLOCK * itemsize, dtype=torch.uint8, device=device)
-        rows.scatter_(0, _byte_positions(base, sizes, total), payload)  # 5x faster than index_put_ on CPU
+        rows.scatter_(0, _byte_positions(base, sizes, total), payload)
         words = rows[: blocks * width].view(torch.int32).view(blocks, rmax + 2).to(torch.int64) & _WORD
         prefix_bits = torch.where(use_delta, 8 * lead, torch.where(sparse, 32, 0))
         prefix = words[:, 0] & ((torch.ones_like(prefix_bits) << prefix_bits) - 1)
@@ -261,8 +266,8 @@ def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor
             slot = present.cumsum(dim=1, dtype=torch.int32).sub_(1).mul_(present)
             values = values.gather(1, slot.to(torch.int64)).mul_(present)
         if any_delta:  # lead value (two's complement in its bytes) plus the deltas' prefix sums
-            lead_bits = 8 * lead.clamp(min=1)
-            lead_value = prefix - (prefix >= (torch.ones_like(lead_bits) << (lead_bits - 1))) * (torch.ones_like(lead_bits) << lead_bits)
+            lead_range = torch.ones_like(lead) << 8 * lead.clamp(min=1)  # 2**bits of the lead value's bytes
+            lead_value = prefix - (2 * prefix >= lead_range) * lead_range
             summed = values.cumsum(dim=1, dtype=torch.int32).add_(lead_value.to(torch.int32)[:, None])
             values += (summed - values) * use_delta[:, None]
         codes = values
