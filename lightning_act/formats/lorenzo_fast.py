@@ -45,13 +45,14 @@ from .lorenzo import (
     prequantize,
     working_bound,
 )
-from .quantize import GPU_CHUNK_ELEMENTS
 
 # Elements per chunk on CPU, per torch thread: about 50 bytes of temporaries each (tests/test_transients.py), so a
 # chunk outgrows a core's L2, but its dozens of per-block ops (on 1/32 of the elements, mostly per-op overhead)
 # cost less per element than at 2**17: 8-12% faster encode and decode, measured on a ReLU'd float32 activation.
-# On a GPU, quantize's chunk.
+# On a GPU (no CuPy, or float64) 2**20: about 50 MiB of temporaries beside the activations being saved, while each
+# of the chunk's ~70 launches still moves megabytes.
 CHUNK_ELEMENTS = 1 << 18
+GPU_CHUNK_ELEMENTS = 1 << 20
 _WORD = 0xFFFFFFFF
 # 8 bytes of 0 or 1 in an int64 word -> their 8 bits in its top byte (formats._bitpack's 1-bit multiplier)
 _GATHER_BITS = 0x0102040810204080
