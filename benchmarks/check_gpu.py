@@ -3,7 +3,8 @@
 CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on the device with CuPy:
 
 - ``kernels``: per codec and dtype, the kernel path (``backend="cupy"``) on the device stores the bytes the torch
-  path stores on the device and on CPU (the specification), and decodes to the same bits; NaN and infinities
+  path stores on the device and on CPU (the specification's bytes: lorenzo's fast torch path is checked against
+  its specification on CPU, tests/test_lorenzo_fast.py), and decodes to the same bits; NaN and infinities
   included where the format keeps them (quantize's canonical NaN, lorenzo's raw escapes): the GPU's own NaN
   payloads are what the emulator once missed.
 - ``no sync``: every codec's kernel encode, stored size and decode under ``torch.cuda.set_sync_debug_mode("error")``
