@@ -237,7 +237,8 @@ def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor
     rmax, wmax, any_sparse, any_delta = torch.stack([(w + s).max(), w.max(), sparse.any(), use_delta.any()]).tolist()
     total = payload.numel()
     if total:
-        # each block's bytes to the start of its row (verbatim blocks: to a scratch row after them, read below)
+        # each block's bytes to the start of its zeroed row (verbatim blocks: to a scratch row after them, read
+        # below): the bits past a block's planes read as zero planes
         width = 4 * (rmax + 2)
         base = torch.arange(blocks, device=device) * width
         base.masked_fill_(verbatim, blocks * width)
@@ -251,7 +252,6 @@ def _decode_chunk(header: torch.Tensor, payload: torch.Tensor, out: torch.Tensor
         word = bit >> 5
         two_words = words.gather(1, word) | (words.gather(1, word + 1) << 32)
         planes = (two_words >> (bit & 31)) & ((torch.ones_like(k_eff) << k_eff) - 1)[:, None]
-        planes *= torch.arange(rmax, device=device)[None, :] < (w + s)[:, None]  # the block's own planes only
         planes = torch.cat([planes, planes.new_zeros(blocks, 1)], dim=1)  # a zero plane past every block's last
         nbytes = -(-wmax // 8)
         if nbytes:
