@@ -107,12 +107,13 @@ class _ParameterCasts(dict):
 _PARAMETER_CASTS = _ParameterCasts()
 
 
-def _recastable(parameter, copy: torch.Tensor, own_storages: frozenset[int]) -> bool:
-    """Whether casting ``parameter`` again gives ``copy`` (its dtype cast: the same device, shape and layout), and
-    the parameter's memory is the model's own (``own_storages``: FSDP's unsharded copies are freed after the forward
-    and gathered again, a new version, before the backward)."""
+def _recastable(parameter, copy: torch.Tensor, own_storages: frozenset[int], cast=None) -> bool:
+    """Whether casting ``parameter`` again gives ``copy`` (the dtype cast of ``cast``, the parameter or a view of it:
+    the same device, shape and layout), and the parameter's memory is the model's own (``own_storages``: FSDP's
+    unsharded copies are freed after the forward and gathered again, a new version, before the backward)."""
+    cast = parameter if cast is None else cast
     return (type(parameter) is nn.Parameter and parameter.device == copy.device and parameter.dtype != copy.dtype
-            and parameter.shape == copy.shape and parameter.stride() == copy.stride()
+            and cast.shape == copy.shape and cast.stride() == copy.stride()
             and parameter.untyped_storage().data_ptr() in own_storages)
 
 
@@ -128,14 +129,22 @@ def _cast_parameter(t: torch.Tensor, own_storages: frozenset[int]) -> torch.Tens
 
 def _frozen_weight_cast(t: torch.Tensor, call, own_storages: frozenset[int]) -> torch.Tensor | None:
     """The frozen weight (``requires_grad=False``) ``t`` is autocast's copy of (or a view into it), saved by the
-    tracked ``call`` (``F.linear``, a convolution), when :func:`_recastable`: such a call saves nothing else without
-    autograd history (its input is saved only for the weight's gradient)."""
+    tracked ``call`` (``F.linear``, a convolution, a matrix product), when :func:`_recastable`: such a call saves
+    nothing else without autograd history (its input is saved only for the weight's gradient). A product's weight
+    may be a view that reorders the whole parameter (``w.t()``): its copy then has the view's strides over the
+    parameter's order, so the parameter cast again, seen through the saved tensor's geometry, is that copy."""
     position = op_rules.WEIGHT_ARGUMENT.get(call.func) if call is not None else None
     if position is None:
         return None
     weight = call.args[position] if len(call.args) > position else call.kwargs.get("weight")
+    if not isinstance(weight, torch.Tensor) or weight.requires_grad:
+        return None
     base = t if t._base is None else t._base
-    return weight if not getattr(weight, "requires_grad", True) and _recastable(weight, base, own_storages) else None
+    parameter = weight._base
+    if parameter is None:
+        return weight if _recastable(weight, base, own_storages) else None
+    reordered = weight.storage_offset() == 0 and weight.numel() == parameter.numel() and parameter.is_contiguous()
+    return parameter if reordered and _recastable(parameter, base, own_storages, weight) else None
 
 
 def _cast_again(parameter: torch.Tensor, t: torch.Tensor) -> "_Saved":

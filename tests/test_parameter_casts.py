@@ -164,3 +164,51 @@ def test_frozen_weights_hold_no_copy_through_the_forward():
     peaks = _forward_peaks(model, torch.randn(4, 1024, requires_grad=True))
     assert peaks[False] >= 32 * MiB, {k: v / MiB for k, v in peaks.items()}
     assert peaks[True] <= 5 * MiB, {k: v / MiB for k, v in peaks.items()}
+
+
+class _Product(nn.Module):
+    """A frozen weight read by a bare matrix product (``x @ w.t()``), as hand-written attention or LoRA code does."""
+
+    def __init__(self, product: str, part: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(48, 64))
+        self.product, self.part = product, part
+
+    def forward(self, x):
+        w = self.weight[:, :32] if self.part else self.weight  # a part: a view at an offset of the parameter
+        x = x[:, : w.shape[1]]
+        if self.product == "@":
+            return x @ w.t()
+        return getattr(torch, self.product)(x, w.t())
+
+
+def _input_grads(module, compressed: bool):
+    compressor = act.ActivationCompressor(module, act.ACTConfig(bits=4, adaptive=False, min_numel=1)) \
+        if compressed else None
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16), (compressor.compress() if compressor else torch.enable_grad()):
+        out = module(x)
+    out.float().square().sum().backward()
+    return x.grad, compressor
+
+
+@pytest.mark.parametrize("product", ["@", "matmul", "mm"])
+def test_a_frozen_weight_read_through_its_transpose_is_cast_again(product):
+    """``x @ w.t()``: autocast copies the view ``w.t()``; the copy has the view's strides over the parameter's
+    order, so the parameter cast again and seen through the saved geometry is that copy, bit for bit."""
+    module = _Product(product).requires_grad_(False)
+    expected, _ = _input_grads(module, compressed=False)
+    actual, compressor = _input_grads(module, compressed=True)
+    assert torch.equal(actual, expected)
+    assert [r.kind for r in compressor.stats().records] == ["parameter"]
+
+
+def test_a_frozen_weights_part_is_compressed_as_an_activation():
+    """A view at an offset of the parameter (``w[:, :32].t()``) is not the parameter reordered: its copy is
+    compressed like an activation (the README's known limits), and the gradient stays close."""
+    module = _Product("@", part=True).requires_grad_(False)
+    expected, _ = _input_grads(module, compressed=False)
+    actual, compressor = _input_grads(module, compressed=True)
+    assert [r.kind for r in compressor.stats().records] == ["compressed"]
+    assert torch.allclose(actual, expected, rtol=0.1, atol=0.1 * float(expected.abs().max()))

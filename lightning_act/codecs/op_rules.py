@@ -27,11 +27,13 @@ def register_op_rule(functions: tuple[Callable, ...], rule: OpRule) -> None:
 
 
 # Functions whose weight (the argument at this position, or ``weight=``) autocast casts for the op: a frozen weight's
-# copy has no autograd history, so only the call it is saved in tells it from an activation (engine: cast again)
+# copy has no autograd history, so only the call it is saved in tells it from an activation (engine: cast again).
+# The matrix products take it second, often as a view (``x @ w.t()``).
 WEIGHT_ARGUMENT: dict[Callable, int] = {
     torch.nn.functional.linear: 1, torch.nn.functional.conv1d: 1, torch.nn.functional.conv2d: 1,
     torch.nn.functional.conv3d: 1, torch.nn.functional.conv_transpose1d: 1, torch.nn.functional.conv_transpose2d: 1,
     torch.nn.functional.conv_transpose3d: 1,
+    torch.matmul: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1, torch.mm: 1, torch.Tensor.mm: 1,
 }
 
 
