@@ -13,11 +13,14 @@ bfloat16 and float16; ``quantize`` at 1, 2, 4, 8 bits, ``division`` (B=8, Q=2) a
 with ``backend="compile"`` (``torch.compile``'s inductor: the first encode and decode, which compile, are
 timed apart and left out of the rates). Each repeat times clone, copy_, encode and decode in turn (so
 a change of machine load hits all four alike); the rates are medians of the repeats after one warm-up round.
-``--threads 1 2`` measures each thread count.
+``--threads 1 2`` measures each thread count. ``--device cuda`` (a session with a GPU: ``benchmarks/gpu_session.sh``)
+times the torch path on the GPU beside the kernels (``backend="cupy"``), wall clock with the device synchronised
+around each call, and reports how many times faster the kernels are (issue #20: within 5x); without CUDA it exits
+with status 2.
 
     python benchmarks/bench_torch_path.py [--shape 16 256 56 56 | --shapes 16x256x56x56 4x256x56x56 ...]
                                           [--repeats 5] [--threads N [N ...]] [--dtypes float32 bfloat16 float16]
-                                          [--codecs CODEC ...] [--compiled CODEC ...]
+                                          [--codecs CODEC ...] [--compiled CODEC ...] [--device cpu|cuda]
                                           [--out benchmarks/results/torch_path.md]
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +43,7 @@ CODECS = {**{f"quantize {b}-bit": ("quantize", {"bits": b}) for b in (1, 2, 4, 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TITLE = "Torch path encode/decode GB/s and fraction of clone"
 TARGET = 0.25  # issue #20: encode at 1/4 or more of clone bandwidth
+NO_CUDA_EXIT = 2  # --device cuda without a GPU: nothing measured (bench_gpu.py's status too)
 COMPILED = tuple(name for name, (codec, _) in CODECS.items() if codec != "lorenzo")  # those with a compiled path
 
 
@@ -52,27 +57,36 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = CLOCKS["wall"]
 
 
+def _sync() -> None:
+    """Wait for the device (timing on CUDA); nothing on CPU."""
+
+
 def _timed(fn, clock=None) -> tuple[float, int, object]:
     clock = clock or _clock
+    _sync()
     faults, start = _faults(), clock()
     result = fn()
+    _sync()
     return clock() - start, _faults() - faults, result
 
 
 def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=tuple(DTYPES),
-            compiled=COMPILED) -> list[dict]:
+            compiled=COMPILED, device: str = "cpu", kernels: bool | None = None) -> list[dict]:
     """One row per (dtype, codec, backend): GB/s of input for encode, decode, clone and copy_, the fractions of
     clone and of copy_, and clone's page faults per call (medians over ``repeats`` rounds after a warm-up round);
     the ``compiled`` codecs also with ``backend="compile"``, whose first encode and decode (the compilation, or
-    none where this process compiled that variant already) are timed alone."""
+    none where this process compiled that variant already) are timed alone. ``kernels`` (default: on CUDA) also
+    times ``backend="cupy"``, the kernels the torch path is compared with (off CUDA: an installed kernel runner's)."""
     rows = []
     clock = next(name for name, c in CLOCKS.items() if c is _clock)
+    kernels = device == "cuda" if kernels is None else kernels
+    backends = ("torch", "cupy", "compile") if kernels else ("torch", "compile")
     for dtype_name in dtypes:
         torch.manual_seed(0)
-        x = torch.relu(torch.randn(shape)).to(DTYPES[dtype_name])
+        x = torch.relu(torch.randn(shape)).to(device=device, dtype=DTYPES[dtype_name])
         out = torch.empty_like(x)
         gbps = lambda seconds: x.numel() * x.element_size() / seconds / 1e9  # noqa: E731
-        for name, backend in [(c, b) for c in codecs for b in ("torch", "compile") if b == "torch" or c in compiled]:
+        for name, backend in [(c, b) for c in codecs for b in backends if b != "compile" or c in compiled]:
             codec_name, options = CODECS[name]
             codec = act.codecs.get(codec_name, backend=backend, **options)
             first = {}
@@ -95,7 +109,7 @@ def measure(shape: tuple[int, ...], repeats: int, codecs=tuple(CODECS), dtypes=t
                         times[key].append(seconds)
                     faults.append(clone_faults)
             s = {key: statistics.median(values) for key, values in times.items()}
-            rows.append({"dtype": dtype_name, "codec": name, "backend": backend, "shape": list(shape),
+            rows.append({"dtype": dtype_name, "codec": name, "backend": backend, "shape": list(shape), "device": device,
                          "threads": torch.get_num_threads(), "first_encode_s": first.get("encode"),
                          "first_decode_s": first.get("decode"),
                          "encode_gbps": gbps(s["encode"]), "decode_gbps": gbps(s["decode"]),
@@ -132,6 +146,30 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+KERNEL_TARGET = 5  # issue #20: on CUDA the torch path within 5x of the kernels
+
+
+def kernel_comparison(rows: list[dict]) -> list[str]:
+    """On CUDA: per dtype and codec, how many times the kernels' (``backend="cupy"``) rates the torch path's are;
+    no lines when no row has both."""
+    rates = {(r["dtype"], r["codec"], r["backend"]): r for r in rows}
+    lines = []
+    for (dtype, codec, backend), kernel in rates.items():
+        torch_path = rates.get((dtype, codec, "torch"))
+        if backend != "cupy" or torch_path is None:
+            continue
+        times = [kernel[f"{op}_gbps"] / torch_path[f"{op}_gbps"] for op in ("encode", "decode")]
+        lines.append(f"| {dtype} | {codec} | {kernel['encode_gbps']:.3g} / {torch_path['encode_gbps']:.3g} = "
+                     f"{times[0]:.3g}{' ✗' if times[0] > KERNEL_TARGET else ''} | {kernel['decode_gbps']:.3g} / "
+                     f"{torch_path['decode_gbps']:.3g} = {times[1]:.3g}{' ✗' if times[1] > KERNEL_TARGET else ''} |")
+    if not lines:
+        return []
+    return ["How many times faster the kernels are than the torch path on the device (✗: more than "
+            f"{KERNEL_TARGET}x, issue #20's bound):", "",
+            "| dtype | codec | encode GB/s: kernels / torch path | decode GB/s: kernels / torch path |",
+            "|---|---|---|---|", *lines, ""]
+
+
 def _clock_note(rows: list[dict]) -> str:
     if rows[0].get("clock", "wall") == "wall":
         return ""
@@ -162,9 +200,11 @@ def report(rows: list[dict], command: str, load: dict) -> str:
         these = [r for r in rows if tuple(r["shape"]) == shape]
         heading = [f"## {' x '.join(map(str, shape))}", ""] if len(shapes) > 1 else []
         tables += [*heading, *table(these), ""]
+    device = rows[0].get("device", "cpu")
+    where = f"Device: {torch.cuda.get_device_name()}. " if device == "cuda" else ""
     return "\n".join([
-        f"# {TITLE}", "", description(rows), "", *tables, f"Command: `{command}`", "",
-        f"Machine: {machine()} (threads: the table's column). Other processes used {load['other_cores']:.2f} of its "
+        f"# {TITLE}", "", description(rows), "", *tables, *kernel_comparison(rows), f"Command: `{command}`", "",
+        f"{where}Machine: {machine()} (threads: the table's column). Other processes used {load['other_cores']:.2f} of its "
         f"{load['cpus']} CPUs on average while this ran (1-minute load average {load['loadavg_start']:.1f} at the "
         f"start, {load['loadavg_end']:.1f} at the end): on a shared machine every rate, clone's and copy_'s "
         "included, is lower and noisier.", ""])
@@ -182,18 +222,25 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS))
     parser.add_argument("--compiled", nargs="*", choices=COMPILED, default=list(COMPILED),
                         help="codecs also measured with backend='compile' (none: leave them out)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the torch path on the GPU, beside the kernels (backend='cupy'); wall clock")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "torch_path.md")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_torch_path.py --device cuda: no CUDA device here; nothing measured", file=sys.stderr)
+        raise SystemExit(NO_CUDA_EXIT)
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes] if args.shapes else [tuple(args.shape)]
-    global _clock
-    _clock = CLOCKS[args.clock]
+    global _clock, _sync
+    _clock = CLOCKS["wall" if args.device == "cuda" else args.clock]  # a GPU's time is not this process's CPU time
+    if args.device == "cuda":
+        _sync = torch.cuda.synchronize
     rows = []
     with MachineLoad() as load:
         for shape in shapes:
             for threads in args.threads or [torch.get_num_threads()]:
                 torch.set_num_threads(threads)
                 rows += measure(shape, args.repeats, codecs=tuple(args.codecs), dtypes=tuple(args.dtypes),
-                                compiled=tuple(args.compiled))
+                                compiled=tuple(args.compiled), device=args.device)
     command = "python benchmarks/bench_torch_path.py" + (
         f" --shapes {' '.join(args.shapes)}" if args.shapes else
         f" --shape {' '.join(map(str, args.shape))}" if args.shape != [16, 256, 56, 56] else "") + (
@@ -202,7 +249,8 @@ def main(argv=None) -> list[dict]:
         f" --threads {' '.join(map(str, args.threads))}" if args.threads else "") + (
         f" --dtypes {' '.join(args.dtypes)}" if args.dtypes != list(DTYPES) else "") + (
         f" --codecs {' '.join(repr(c) for c in args.codecs)}" if args.codecs != list(CODECS) else "") + (
-        f" --compiled {' '.join(args.compiled)}" if args.compiled != list(COMPILED) else "")
+        f" --compiled {' '.join(args.compiled)}" if args.compiled != list(COMPILED) else "") + (
+        " --device cuda" if args.device == "cuda" else "")
     publish(report(rows, command, load.summary()), args.out)
     return rows
 

@@ -6,6 +6,7 @@
 #
 # 1. check_gpu.py: the kernels against the specification on the device, no host synchronisation, lorenzo's trim,
 #    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, host µs per saved tensor;
+#    then bench_torch_path.py --device cuda: each codec's torch path against its kernels (GB/s, how many times);
 # 2. bench_gpu.py, first the rows issue #20 judges (BERT-base and ResNet-50: baseline, L1, 4-bit, 2-bit, CB1, torch
 #    checkpointing), then the other models and configurations in the time left.
 # Every report is rewritten as its rows arrive, so a run cut short keeps what it measured. Results go to $OUT (the
@@ -21,6 +22,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this working tree's packa
     > "$out/gpu_env.txt" 2>&1
 timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" > "$out/gpu_checks.log" 2>&1
 echo "check_gpu.py: exit $?, $(left) s left"
+# the torch path (what a GPU user without CuPy runs) beside the kernels, per codec and dtype: issue #20's "within 5x"
+timeout 120 python benchmarks/bench_torch_path.py --device cuda --repeats 3 --compiled \
+    --out "$out/torch_path_gpu.md" > "$out/torch_path_gpu.log" 2>&1
+echo "bench_torch_path.py --device cuda: exit $?, $(left) s left"
 # --time-budget stops starting configurations; timeout ends one still running (its rows so far are written)
 core=$(( $(left) * 2 / 3 ))
 timeout "$core" python benchmarks/bench_gpu.py --time-budget $(( core - 60 )) --models bert-base resnet50 \
@@ -34,4 +39,4 @@ if [ "$(left)" -gt 90 ]; then
         "torch checkpoint" "memory budget" save_on_cpu --out "$out/gpu_more.md" > "$out/bench_gpu_more.log" 2>&1
     echo "bench_gpu.py, the other rows: exit $?, $(left) s left"
 fi
-tail -n 4 "$out/gpu_checks.md" "$out/gpu.md" 2>/dev/null
+tail -n 4 "$out/gpu_checks.md" "$out/torch_path_gpu.md" "$out/gpu.md" 2>/dev/null

@@ -326,3 +326,34 @@ def test_memory_budget_trial_fits_the_budget_its_most_aggressive_options_fit():
     options, met = setup.plans[batch]
     assert met and set(options.values()) != {"keep"}
     assert budget < setup.planning_peaks[batch] < peaks["baseline"]  # its passes: above the step, below no plan
+
+
+@requires_gxx
+def test_bench_torch_path_compares_the_torch_path_with_the_kernels_and_exits_2_without_cuda():
+    """bench_torch_path.py: ``--device cuda`` without CUDA measures nothing and exits 2; with a kernel runner (the
+    emulator standing in for a GPU) each codec has a torch-path and a kernel row, and the comparison table says
+    how many times faster the kernels are (issue #20: within 5x)."""
+    import bench_torch_path
+
+    from lightning_act.cuda.launcher import use_runner
+    from tests.cuda_emulation.emulator import EmulatorRunner
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exit_info:
+            bench_torch_path.main(["--device", "cuda"])
+        assert exit_info.value.code == bench_torch_path.NO_CUDA_EXIT == 2
+    codecs = ("quantize 4-bit", "lorenzo eb=1e-2")
+    with use_runner(EmulatorRunner()):
+        rows = bench_torch_path.measure((2, 4, 8, 8), 1, codecs=codecs, dtypes=("float32",), compiled=(),
+                                        kernels=True)
+    assert [(r["codec"], r["backend"]) for r in rows] == [(c, b) for c in codecs for b in ("torch", "cupy")]
+    assert all(r[f"{op}_gbps"] > 0 for r in rows for op in ("encode", "decode"))
+    lines = bench_torch_path.kernel_comparison(rows)
+    assert lines[2] == "| dtype | codec | encode GB/s: kernels / torch path | decode GB/s: kernels / torch path |"
+    by_codec = {(r["codec"], r["backend"]): r for r in rows}
+    for line, codec in zip(lines[4:6], codecs):
+        kernel, torch_path = by_codec[codec, "cupy"], by_codec[codec, "torch"]
+        ratio = kernel["encode_gbps"] / torch_path["encode_gbps"]
+        assert line.startswith(f"| float32 | {codec} | {kernel['encode_gbps']:.3g} / {torch_path['encode_gbps']:.3g} "
+                               f"= {ratio:.3g}{' ✗' if ratio > 5 else ''} |")
+    assert bench_torch_path.kernel_comparison([r for r in rows if r["backend"] == "torch"]) == []
