@@ -204,8 +204,8 @@ def report(rows: list[dict], command: str, load: dict) -> str:
     where = f"Device: {torch.cuda.get_device_name()}. " if device == "cuda" else ""
     return "\n".join([
         f"# {TITLE}", "", description(rows), "", *tables, *kernel_comparison(rows), f"Command: `{command}`", "",
-        f"{where}Machine: {machine()} (threads: the table's column). Other processes used {load['other_cores']:.2f} of its "
-        f"{load['cpus']} CPUs on average while this ran (1-minute load average {load['loadavg_start']:.1f} at the "
+        f"{where}Machine: {machine()} (threads: the table's column). Other processes used "
+        f"{load['other_cores']:.2f} of its {load['cpus']} CPUs on average while this ran (1-minute load average {load['loadavg_start']:.1f} at the "
         f"start, {load['loadavg_end']:.1f} at the end): on a shared machine every rate, clone's and copy_'s "
         "included, is lower and noisier.", ""])
 
