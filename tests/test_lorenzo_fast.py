@@ -126,3 +126,16 @@ def test_the_codec_runs_the_fast_path_off_the_kernels(monkeypatch):
     assert calls == ["e", "d"]
     assert_same_bits(y.reshape(-1), lorenzo_decode_reference(lorenzo_encode_reference(x.reshape(-1), 1e-2), 400,
                                                              1e-2, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sixteen_bit_values_at_the_bound_keep_zero_preservation(dtype):
+    """The corner the fast path's zero preservation rests on: a 16-bit ``x = +-eb`` may round to a code of +-1
+    (when ``1 / (2 eb)`` rounds up), whose decode must then be at least ``eb`` away. Bounds equal to (or a hair
+    off) 16-bit values across the whole exponent range, with their neighbours: the specification's bytes."""
+    patterns = torch.arange(1, 0x7C00 if dtype == torch.float16 else 0x7F80, 280, dtype=torch.int32).to(torch.int16)
+    for value in patterns.view(dtype).tolist():
+        at = torch.tensor([value, -value], dtype=torch.float32).to(dtype).view(torch.int16)
+        x = torch.cat([at, at - 1, at + 1]).view(dtype).repeat(6)
+        for error_bound in (value, value * (1 + 2**-30), value * (1 - 2**-12), value * 1.5):
+            assert_matches_specification(x, error_bound)
