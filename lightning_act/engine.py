@@ -107,32 +107,51 @@ class _ParameterCasts(dict):
 _PARAMETER_CASTS = _ParameterCasts()
 
 
-def _recastable(parameter, copy: torch.Tensor, own_storages: frozenset[int], cast=None) -> bool:
-    """Whether casting ``parameter`` again gives ``copy`` (the dtype cast of ``cast``, the parameter or a view of it:
-    the same device, shape and layout), and the parameter's memory is the model's own (``own_storages``: FSDP's
-    unsharded copies are freed after the forward and gathered again, a new version, before the backward)."""
-    cast = parameter if cast is None else cast
+def _recastable(parameter, copy: torch.Tensor, own_storages: frozenset[int], reordered: bool = False) -> bool:
+    """Whether casting ``parameter`` again gives ``copy`` (its dtype cast: the same device, shape and layout; or,
+    ``reordered``, a cast of a view of the whole parameter, see :func:`_whole_reordering`), and the parameter's
+    memory is the model's own (``own_storages``: FSDP's unsharded copies are freed after the forward and gathered
+    again, a new version, before the backward)."""
     return (type(parameter) is nn.Parameter and parameter.device == copy.device and parameter.dtype != copy.dtype
-            and cast.shape == copy.shape and cast.stride() == copy.stride()
+            and (reordered or (parameter.shape == copy.shape and parameter.stride() == copy.stride()))
             and parameter.untyped_storage().data_ptr() in own_storages)
 
 
+def _whole_reordering(parameter: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether ``copy``, the dtype cast of a dense view of the whole contiguous ``parameter`` (a transpose or
+    permutation: ``x @ w.t()`` reads one), holds the parameter's elements in the parameter's own storage order.
+    The cast keeps the view's strides, so the parameter cast again and seen through the saved tensor's geometry
+    is that copy."""
+    return parameter.is_contiguous() and copy.storage_offset() == 0 and copy.numel() == parameter.numel()
+
+
+# the view functions between a parameter and autocast's copy of it that leave its storage order alone
+_REORDERING_VIEWS = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
+
+
 def _cast_parameter(t: torch.Tensor, own_storages: frozenset[int]) -> torch.Tensor | None:
-    """The parameter ``t`` is autocast's cast of (or a view into such a cast), when :func:`_recastable`."""
+    """The parameter ``t`` is autocast's cast of (or a view into such a cast; or of a transpose or permutation of
+    the whole parameter), when :func:`_recastable`."""
     base = t if t._base is None else t._base
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
         return None
-    parameter = getattr(fn.next_functions[0][0], "variable", None)
-    return parameter if _recastable(parameter, base, own_storages) else None
+    source = fn.next_functions[0][0]
+    parameter = getattr(source, "variable", None)
+    if parameter is not None:
+        return parameter if _recastable(parameter, base, own_storages) else None
+    if type(source).__name__ not in _REORDERING_VIEWS or len(source.next_functions) != 1:
+        return None
+    parameter = getattr(source.next_functions[0][0], "variable", None)
+    reordered = parameter is not None and _whole_reordering(parameter, base)
+    return parameter if reordered and _recastable(parameter, base, own_storages, reordered=True) else None
 
 
 def _frozen_weight_cast(t: torch.Tensor, call, own_storages: frozenset[int]) -> torch.Tensor | None:
     """The frozen weight (``requires_grad=False``) ``t`` is autocast's copy of (or a view into it), saved by the
     tracked ``call`` (``F.linear``, a convolution, a matrix product), when :func:`_recastable`: such a call saves
     nothing else without autograd history (its input is saved only for the weight's gradient). A product's weight
-    may be a view that reorders the whole parameter (``w.t()``): its copy then has the view's strides over the
-    parameter's order, so the parameter cast again, seen through the saved tensor's geometry, is that copy."""
+    may be a view of the whole parameter (``w.t()``, :func:`_whole_reordering`)."""
     position = op_rules.WEIGHT_ARGUMENT.get(call.func) if call is not None else None
     if position is None:
         return None
@@ -143,8 +162,9 @@ def _frozen_weight_cast(t: torch.Tensor, call, own_storages: frozenset[int]) -> 
     parameter = weight._base
     if parameter is None:
         return weight if _recastable(weight, base, own_storages) else None
-    reordered = weight.storage_offset() == 0 and weight.numel() == parameter.numel() and parameter.is_contiguous()
-    return parameter if reordered and _recastable(parameter, base, own_storages, weight) else None
+    reordered = (weight.storage_offset() == parameter.storage_offset() and weight.shape == base.shape
+                 and weight.stride() == base.stride() and _whole_reordering(parameter, base))
+    return parameter if reordered and _recastable(parameter, base, own_storages, reordered=True) else None
 
 
 def _cast_again(parameter: torch.Tensor, t: torch.Tensor) -> "_Saved":

@@ -212,3 +212,39 @@ def test_a_frozen_weights_part_is_compressed_as_an_activation():
     actual, compressor = _input_grads(module, compressed=True)
     assert [r.kind for r in compressor.stats().records] == ["compressed"]
     assert torch.allclose(actual, expected, rtol=0.1, atol=0.1 * float(expected.abs().max()))
+
+
+def test_a_trainable_weight_read_through_its_transpose_is_cast_again():
+    """``x @ w.t()`` with a trainable ``w``: autocast's copy of the view ``w.t()`` reaches the parameter through
+    the transpose's backward. It is cast again in the backward, like ``F.linear``'s: gradients bit for bit, and
+    16 layers of 1024 x 1024 no longer hold their bf16 copies (2 MiB each) through the forward."""
+    module = _Product("@")
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for compressed in (False, True):
+        compressor = act.ActivationCompressor(module, act.ACTConfig(bits=4, adaptive=False, min_numel=1 << 30)) \
+            if compressed else None
+        xg = x.clone().requires_grad_()
+        module.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                (compressor.compress() if compressor else torch.enable_grad()):
+            out = module(xg)
+        out.float().square().sum().backward()
+        grads[compressed] = (xg.grad, module.weight.grad)
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    # x's cast (x: a leaf that requires grad, kept as a parameter is) and w.t()'s (cast again: the peaks below)
+    assert [r.kind for r in compressor.stats().records] == ["parameter", "parameter"]
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = nn.ParameterList([nn.Parameter(torch.randn(1024, 1024) / 32) for _ in range(16)])
+
+        def forward(self, x):
+            for w in self.weights:
+                x = x @ w.t()
+            return x
+
+    peaks = _forward_peaks(Stack(), torch.randn(4, 1024, requires_grad=True))  # every layer saves its copy
+    assert peaks[False] >= 32 * MiB, {k: v / MiB for k, v in peaks.items()}
+    assert peaks[True] <= 5 * MiB, {k: v / MiB for k, v in peaks.items()}
