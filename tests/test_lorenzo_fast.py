@@ -139,3 +139,20 @@ def test_sixteen_bit_values_at_the_bound_keep_zero_preservation(dtype):
         x = torch.cat([at, at - 1, at + 1]).view(dtype).repeat(6)
         for error_bound in (value, value * (1 + 2**-30), value * (1 - 2**-12), value * 1.5):
             assert_matches_specification(x, error_bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_the_codec_encodes_any_memory_format_as_its_logical_order(dtype, memory_format):
+    """The codec's torch path on a 4-D activation, contiguous or channels_last: the specification's bytes of the
+    tensor in logical order, and a decode of the input's shape, dtype and values."""
+    x = torch.randn(2, 5, 7, 9, generator=torch.Generator().manual_seed(2)).relu().to(dtype)
+    x = x.to(memory_format=memory_format)
+    codec = act.codecs.get("lorenzo", error_bound=1e-2, backend="torch")
+    packed = codec.encode(x)
+    expected = lorenzo_encode_reference(x.contiguous().reshape(-1), 1e-2)
+    assert torch.equal(packed.buffers["payload"], expected["payload"])
+    assert torch.equal(packed.buffers["header"], expected["header"])
+    y = codec.decode(packed)
+    assert (y.shape, y.dtype) == (x.shape, x.dtype)
+    assert_same_bits(y.reshape(-1), lorenzo_decode_reference(expected, x.numel(), 1e-2, dtype))

@@ -180,9 +180,15 @@ def _sparse_positions(k: torch.Tensor, nonzero: torch.Tensor, rows: int) -> torc
     return (plane * k[:, None, None] + rank[:, None, :]).clamp(min=0)
 
 
+def lead_magnitude(first: torch.Tensor) -> torch.Tensor:
+    """What the two's complement form of each int32 ``first`` must hold besides its sign: ``first``, or
+    ``-(first + 1)`` (``~first``) for a negative one; its bytes are ``bit_length(...) // 8 + 1``."""
+    return first ^ (first >> 31)
+
+
 def _lead_bytes(first: torch.Tensor) -> torch.Tensor:
     """Bytes (1..4) of the shortest little-endian two's complement form of each int32 ``first``."""
-    return bit_length(first ^ (first >> 31)) // 8 + 1  # ~first for a negative one: -(first + 1)
+    return bit_length(lead_magnitude(first)) // 8 + 1
 
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:

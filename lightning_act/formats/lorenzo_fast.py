@@ -42,6 +42,7 @@ from .lorenzo import (
     block_sizes,
     checked_float,
     choose_modes,
+    lead_magnitude,
     prequantize,
     working_bound,
 )
@@ -171,12 +172,11 @@ def _encode_chunk(x: torch.Tensor, eb: float, step: float, inv: float) -> tuple[
     escaped = torch.zeros(blocks, dtype=torch.bool, device=device)
     escaped[escapes // BLOCK] = True
     verbatim_bytes = BLOCK * x.element_size()
-    first = codes[:, 0]
     codes_lo, deltas_lo = codes.amin(dim=1), deltas.amin(dim=1)
     w_raw, w_delta, lead = bit_length(torch.stack([  # the largest magnitude: max(max, -min)
         torch.maximum(codes.amax(dim=1), -codes_lo), torch.maximum(deltas.amax(dim=1), -deltas_lo),
-        first ^ (first >> 31)]))  # the lead value's bytes as _lead_bytes counts them
-    lead = lead // 8 + 1
+        lead_magnitude(codes[:, 0])]))  # one bit_length call for the three
+    lead = lead // 8 + 1  # as _lead_bytes
     sizes, mode, w, s, header = choose_modes(w_raw, codes_lo < 0, w_delta, deltas_lo < 0, k, lead, escaped,
                                              verbatim_bytes)
     total, rmax, wmax, any_sparse, any_verbatim = torch.stack([
