@@ -402,6 +402,8 @@ class ActivationCompressor:
         self.swap_store: SwapStore | None = SwapStore() if self.config.swap else None
         self.side_stream: SideStreamEncoder | None = SideStreamEncoder() if self.config.side_stream else None
         self.blpa_blocks = 0  # set by the BLPA conversion (lightning_act.model_prep)
+        # set for a model with torch.compile'd parts (lightning_act.model_prep): hooks compiled graphs inline
+        self.graph_hooks = None
         for preparation in _MODEL_PREPARATIONS:
             preparation.prepare(self)
 
@@ -446,14 +448,20 @@ class ActivationCompressor:
     def _hooks(self, step: "_Step") -> Iterator[None]:
         outer = self.current_step
         self._thread.step = step
-        if self.config.enabled and self.config.compress_masks and op_rules.OP_RULES:
+        # (not around compiled parts: dynamo would compile the tracker's own frames, op by op)
+        if self.config.enabled and self.config.compress_masks and op_rules.OP_RULES and self.graph_hooks is None:
             step.tracker = FunctionTracker(op_rules.tracked_functions())
         try:
             with contextlib.ExitStack() as stack:
                 if step.tracker is not None:
                     stack.enter_context(step.tracker)
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                    functools.partial(self._pack, step), self._unpack))
+                graph_hooks = self.graph_hooks
+                if graph_hooks is not None:  # they run this thread's current step's hooks in eager code
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(graph_hooks.pack,
+                                                                                 graph_hooks.unpack))
+                else:
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                        functools.partial(self._pack, step), self._unpack))
                 yield
         finally:
             self._thread.step = outer

@@ -7,7 +7,8 @@
   residual merges (:func:`lightning_act.nn.convert_bounded_cnn`) for the duration of each forward;
 * bounded FFN backwards: ``ACTConfig(bounded_ffn=True)`` converts Linear -> activation pairs
   (:func:`lightning_act.nn.convert_bounded_ffn`) for the duration of each forward;
-* ``torch.compile``: a compiled model gets a warning (its saved tensors are not compressed, pytorch#148222);
+* ``torch.compile``: a model with compiled parts gets hooks that compiled graphs inline
+  (:mod:`lightning_act.compiled_regions`);
 * HuggingFace checkpointing: during each forward, layers that checkpoint go through the compressed checkpoint
   (all checkpointable layers at CB1/CB2), with a warning when the level asks for checkpointing and the model
   has no such layer;
@@ -66,15 +67,37 @@ class BoundedConversion:
             self.unconvert(model)
 
 
-class CompiledModelWarning:
-    """Say so when the model is ``torch.compile``'d instead of pretending to compress it."""
+def has_compiled_parts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is ``torch.compile``'d, or holds a module that is: ``torch.compile(module)``,
+    ``module.compile()``, or a LightningModule Lightning compiled in place (``from_compiled``)."""
+    optimized = getattr(torch._dynamo, "OptimizedModule", ())
+    return any(isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
+               or getattr(m, "_compiler_ctx", None) is not None for m in model.modules())
+
+
+class CompiledRegions:
+    """A model with compiled parts gets the hooks compiled graphs inline (:mod:`lightning_act.compiled_regions`),
+    or a warning where its saved tensors cannot be compressed inside them."""
 
     def prepare(self, compressor: ActivationCompressor) -> None:
-        if isinstance(compressor.model, getattr(torch._dynamo, "OptimizedModule", ())):
+        model, config = compressor.model, compressor.config
+        if model is None or not config.enabled or not has_compiled_parts(model):
+            return
+        from . import compiled_regions
+
+        if not compiled_regions.supported():
             warnings.warn(
-                "lightning_act: the model is torch.compile'd; saved-tensor hooks run after the compiled forward, "
-                "so activations inside compiled regions are not compressed (pytorch#148222). Compress an "
-                "uncompiled model to save memory.", stacklevel=3)
+                f"lightning_act: the model has torch.compile'd parts; torch {torch.__version__} runs saved-tensor "
+                f"hooks after a compiled forward, so activations inside compiled regions are not compressed "
+                f"(pytorch#148222; torch 2.8 and later inline them). Compress an uncompiled model to save memory.",
+                stacklevel=3)
+            return
+        if not compiled_regions.compresses_in_graph(config):
+            warnings.warn(
+                f"lightning_act: the model has torch.compile'd parts; inside them only codec='quantize' at 1, 2, 4 "
+                f"or 8 bits compresses, so with codec={config.codec!r}, bits={config.bits} their activations are "
+                f"kept as they are (eager code still uses the config)", stacklevel=3)
+        compressor.graph_hooks = compiled_regions.GraphHooks(compressor)
 
     def forward_context(self, compressor: ActivationCompressor) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -112,5 +135,5 @@ class HuggingFaceLayers:
 for _preparation in (BLPAConversion(),
                      BoundedConversion("bounded_cnn", convert_bounded_cnn, is_bounded, unconvert_bounded_cnn),
                      BoundedConversion("bounded_ffn", convert_bounded_ffn, is_bounded_ffn, unconvert_bounded_ffn),
-                     CompiledModelWarning(), HuggingFaceLayers(), FSDPParameters()):
+                     CompiledRegions(), HuggingFaceLayers(), FSDPParameters()):
     register_model_preparation(_preparation)

@@ -264,13 +264,6 @@ def test_fresh_noise_every_step():
     assert compressor.step_number == 2
 
 
-def test_compiled_model_is_warned_about_at_the_users_line():
-    model = torch.compile(nn.Linear(4, 4))  # compiles lazily: building the wrapper is enough
-    with pytest.warns(UserWarning, match=r"torch.compile'd; saved-tensor hooks run after the compiled forward") as w:
-        act.ActivationCompressor(model, act.ACTConfig())
-    assert w[0].filename == __file__
-
-
 class _SavesHalves(torch.autograd.Function):
     """Saves its input as two row slices: views made inside forward, where autograd records no history."""
 

@@ -7,6 +7,7 @@ its top byte by one multiplication (``pack_codes_``); unpacking spreads a byte b
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 PACKABLE_BITS = (1, 2, 4, 8)
 # bits -> (word dtype holding 8 / bits codes, the shifts that spread a byte back over a word, the mask that keeps
@@ -62,6 +63,19 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         return packed[:numel]
     codes = packed.new_empty(packed.numel() * 8 // bits)
     return unpack_codes_(packed, bits, codes, torch.empty_like(codes))[:numel]
+
+
+def pack_codes_traced(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_codes` as ops a compiled graph can hold (no in-place ops on dtype views): each byte ORs its
+    ``8 / bits`` codes, shifted, in int32, which inductor fuses with the ops that made the codes."""
+    if bits == 8:
+        return codes
+    per_byte = 8 // bits
+    padded = F.pad(codes, (0, -codes.numel() % per_byte)).view(-1, per_byte).to(torch.int32)
+    packed = padded[:, 0]
+    for i in range(1, per_byte):
+        packed = packed | (padded[:, i] << (bits * i))
+    return packed.to(torch.uint8)
 
 
 # 1 bit per element without pack_codes' padding copy and in-place passes: the mask codecs run once per ReLU and

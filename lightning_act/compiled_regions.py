@@ -1,0 +1,238 @@
+"""Compression inside ``torch.compile``'d regions.
+
+Autograd calls Python saved-tensor hooks for a compiled region only after its whole forward has run
+(pytorch#148222): every activation inside it is first held at full size, so the step's peak does not move.
+AOTAutograd (torch 2.8 and later) inlines hooks given as ``torch.fx.GraphModule`` objects into the compiled
+graphs instead, when they are the innermost hooks while the region compiles. :class:`GraphHooks` is that pair for
+a compressor:
+
+* **Forward**: the quantize format's encode as traced torch ops (:func:`encode_traced`: the statistics, noise
+  and rounding of :func:`lightning_act.formats.compiled.quantize_groups`, the codes packed by shifts), which
+  inductor fuses with the ops around it: no host work per tensor at run time.
+* **Backward**: one opaque op, ``torch.ops.lightning_act.dequantize``, which decodes with the compressor's
+  quantize codec (its CUDA kernel where that runs, else its torch path) and records the tensor in the step's
+  statistics (``phase="compiled"``). AOTAutograd puts the unpack graphs in the backward's prologue, where every
+  activation would be decoded as the backward starts (the uncompressed step's peak again); the post-grad pass
+  :class:`SinkDecodes` moves each decode right before the first op that reads it.
+* **Eager code** (graph breaks, uncompiled submodules, checkpoint recomputation) calls the same modules with real
+  tensors: they run the compressor's own hooks, with its records, de-duplication, op rules and every codec.
+
+Inside compiled regions the payload is the quantize format's (``formats.quantize``), at the config's ``bits``
+(its average when ``adaptive``), ``group_size`` and ``stats_dtype``; the noise comes from ``torch.randint`` in the
+graph, so it is not the eager path's keyed stream. Kept as they are there: tensors of other codecs' configs
+(``division``, ``lorenzo``, ``bits`` 16/32), integer and bool tensors, tensors under ``min_numel`` elements or not
+dense in memory, and what AOTAutograd does not hand to the hooks (inputs, parameters, outputs of the region).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
+from torch._subclasses.fake_tensor import is_fake
+
+from .codecs.base import Packed
+from .formats._bitpack import PACKABLE_BITS, pack_codes_traced
+from .formats.compiled import quantize_groups
+from .formats.floats import FLOAT_DTYPES
+from .formats.quantize import STATS_DTYPES
+from .stats import COMPRESSED, TensorRecord
+
+if TYPE_CHECKING:
+    from .engine import ActivationCompressor
+
+# The encode's element counter is int32 (quantize_groups): larger tensors are kept.
+MAX_NUMEL = (1 << 31) - 1
+_OWNERS: "weakref.WeakValueDictionary[int, GraphHooks]" = weakref.WeakValueDictionary()
+_OWNER_IDS = itertools.count()
+
+
+def supported() -> bool:
+    """Whether this torch inlines ``GraphModule`` saved-tensor hooks into compiled graphs."""
+    from torch._functorch._aot_autograd import utils
+
+    return hasattr(utils, "saved_tensors_hooks_are_inlineable")
+
+
+def compresses_in_graph(config) -> bool:
+    """Whether a config's saved tensors can be compressed inside compiled regions (the quantize codec at 1, 2, 4
+    or 8 bits)."""
+    return config.enabled and config.codec == "quantize" and config.bits in PACKABLE_BITS
+
+
+def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation of dims that makes ``t`` contiguous (its memory order), or None when no permutation does
+    (overlapping or gapped strides)."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype):
+    """``(payload, mn, step)`` of the flat contiguous ``x`` in the quantize format, as torch ops a graph can hold
+    (no in-place ops on views, no host reads, no tensor constants): ``dequantize_reference`` decodes it."""
+    n = x.numel()
+    flat = x.reshape(-1)
+    pad = -n % group_size
+    if pad:  # the last group padded with copies of the last element (its min and max unchanged), as the format
+        flat = torch.cat([flat, flat[-1:].expand(pad)])
+    key = torch.randint(-(1 << 31), (1 << 31) - 1, (1,), dtype=torch.int32, device=x.device)
+    # quantize_groups' counter: first element 0, the key for every element, no wrap of the low word
+    counter = torch.cat([torch.zeros(1, dtype=torch.int32, device=x.device), key, key,
+                         torch.full((1,), MAX_NUMEL, dtype=torch.int32, device=x.device)])
+    levels = torch.full((), float((1 << bits) - 1), device=x.device)  # a tensor, as quantize_groups divides by it
+    codes, mn, step = quantize_groups(flat.view(-1, group_size).float(), counter, levels, bits, stats_dtype)
+    return pack_codes_traced(codes.view(-1)[:n], bits), mn, step
+
+
+@torch.library.custom_op("lightning_act::dequantize", mutates_args=())
+def dequantize(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel: int, bits: int,
+               group_size: int, dtype: torch.dtype, owner: int) -> torch.Tensor:
+    """Decode what :func:`encode_traced` stored, with the quantize codec of the compressor ``owner`` names (a
+    default one when it is gone), and record it in that compressor's last step."""
+    hooks = _OWNERS.get(owner)
+    codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size)
+    buffers = {"payload": payload, "mn": mn, "step": step}
+    out = codec.decode(Packed("quantize", (numel,), dtype, payload.device, buffers,
+                              {"bits": bits, "group_size": group_size}))
+    if hooks is not None:
+        hooks.record(numel, dtype, bits, sum(b.numel() * b.element_size() for b in buffers.values()))
+    return out
+
+
+@dequantize.register_fake
+def _(payload, mn, step, numel, bits, group_size, dtype, owner):
+    return payload.new_empty(numel, dtype=dtype)
+
+
+def _default_codec(bits: int, group_size: int):
+    from . import codecs
+
+    return codecs.get("quantize", bits=bits, group_size=group_size)
+
+
+def _pack(x: torch.Tensor, owner: int):
+    hooks = _OWNERS[owner]
+    if not is_fake(x):  # eager code: the compressor's own hook
+        return hooks.pack_eager(x)
+    return hooks.pack_traced(x)
+
+
+def _unpack(packed, owner: int) -> torch.Tensor:
+    if type(packed) is not tuple:  # what the eager hook stored
+        return _OWNERS[owner].unpack_eager(packed)
+    if len(packed) == 1:  # kept as it is
+        return packed[0]
+    payload, mn, step, bits, group_size, dtype, shape, inverse = packed
+    flat = torch.ops.lightning_act.dequantize(payload, mn, step, math.prod(shape), bits, group_size, dtype,
+                                              owner)
+    values = flat.view(shape)
+    return values if inverse is None else values.permute(inverse)
+
+
+def _hook_module(fn, owner: int) -> torch.fx.GraphModule:
+    """A GraphModule whose graph is ``fn(x, owner)``: AOTAutograd traces it per saved tensor (``fn`` sees fake
+    tensors and emits the ops it decides on); eager autograd calls it with real ones."""
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(fn, (graph.placeholder("x"), owner)))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    # Called straight, past nn.Module's call machinery (a GraphModule's class is its own), and skipped by dynamo:
+    # eager code of a compiled model calls the hooks while dynamo evaluates frames, and it would compile the
+    # engine's hook op by op (AOTAutograd, which traces the call with fake tensors, is not dynamo).
+    type(module).__call__ = torch._dynamo.disable(lambda self, x: fn(x, owner))
+    return module
+
+
+class GraphHooks:
+    """The saved-tensor hooks a compressor installs for a model with compiled parts: ``pack`` and ``unpack``
+    (GraphModules, the same objects every step: dynamo guards on their identity, and compiles again for others)."""
+
+    def __init__(self, compressor: "ActivationCompressor"):
+        config = compressor.config
+        self._compressor = weakref.ref(compressor)
+        self.owner = next(_OWNER_IDS)
+        _OWNERS[self.owner] = self
+        self.bits = config.bits if compresses_in_graph(config) else None
+        self.group_size, self.min_numel = config.group_size, max(config.min_numel, 1)
+        self.stats_dtype = STATS_DTYPES[config.stats_dtype]
+        self.pack = _hook_module(_pack, self.owner)
+        self.unpack = _hook_module(_unpack, self.owner)
+        install_sink_pass()
+
+    @property
+    def compressor(self) -> "ActivationCompressor":
+        compressor = self._compressor()
+        if compressor is None:
+            raise RuntimeError("the ActivationCompressor of these hooks was deleted")
+        return compressor
+
+    def pack_eager(self, x: torch.Tensor):
+        compressor = self.compressor
+        return compressor._pack(compressor.current_step, x)
+
+    def unpack_eager(self, saved) -> torch.Tensor:
+        return self.compressor._unpack(saved)
+
+    def pack_traced(self, x: torch.Tensor) -> tuple:
+        """What a compiled region stores for ``x`` (a fake tensor while AOTAutograd traces): the quantize
+        format's buffers and what the decode needs, or ``(x,)`` to keep it."""
+        order = dense_order(x) if x.dtype in FLOAT_DTYPES else None
+        if self.bits is None or order is None or not self.min_numel <= x.numel() <= MAX_NUMEL:
+            return (x,)
+        inverse = None if order == tuple(range(x.dim())) else tuple(sorted(range(x.dim()), key=order.__getitem__))
+        dense = x if inverse is None else x.permute(order)
+        payload, mn, step = encode_traced(dense, self.bits, self.group_size, self.stats_dtype)
+        return payload, mn, step, self.bits, self.group_size, x.dtype, tuple(dense.shape), inverse
+
+    def codec(self, bits: int):
+        return self.compressor.codec("quantize", bits)
+
+    def record(self, numel: int, dtype: torch.dtype, bits: int, stored: int) -> None:
+        """Count a tensor a compiled backward decoded in the compressor's last step (its forward has ended)."""
+        step = self.compressor._last_step
+        if step is not None:
+            records = step.records
+            records.append(TensorRecord(len(records), torch.Size((numel,)), dtype, COMPRESSED, "quantize",
+                                        float(bits), numel * dtype.itemsize, stored, phase="compiled"))
+
+
+_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                    torch.ops.aten.permute.default, torch.ops.aten.alias.default})
+
+
+def _sink_decodes(graph: torch.fx.Graph) -> None:
+    """Move each ``lightning_act::dequantize`` node, with the views of its output, right before the first node
+    that reads them."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.lightning_act.dequantize.default)):
+        chain = [node]
+        for link in chain:  # grows while it is walked: views of views
+            chain += [user for user in link.users if user.op == "call_function" and user.target in _VIEWS]
+        readers = [user for link in chain for user in link.users if user not in chain]
+        if not readers:
+            continue
+        first = min(readers, key=position.__getitem__)
+        for link in sorted(chain, key=position.__getitem__):
+            first.prepend(link)
+
+
+def install_sink_pass() -> None:
+    """Add :class:`SinkDecodes` to inductor's post-grad passes, beside any the user set (once per process: a
+    backward compiles lazily, after the forward's configuration context has ended)."""
+    passes = get_custom_graph_passes(inductor_config.post_grad_custom_post_pass)
+    if not any(isinstance(p, SinkDecodes) for p in passes):
+        inductor_config.post_grad_custom_post_pass = (*passes, SinkDecodes()) if passes else SinkDecodes()
+
+
+class SinkDecodes(CustomGraphPass):
+    """Inductor post-grad pass: each decode of a compiled region's saved tensor runs right before its first
+    reader (:func:`_sink_decodes`), so the backward holds one decoded activation at a time."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        _sink_decodes(graph)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))

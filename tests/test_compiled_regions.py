@@ -1,0 +1,247 @@
+"""Compression inside torch.compile'd regions (lightning_act.compiled_regions): the GraphModule hooks AOTAutograd
+inlines into compiled graphs, the decode op, the pass that places it, and the engine's hooks in the eager code
+around compiled graphs. Each compiling test costs an inductor compilation (seconds): models are small."""
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import lightning_act as act
+from lightning_act import compiled_regions
+from lightning_act.formats._bitpack import pack_codes, pack_codes_traced, packed_nbytes
+from lightning_act.formats.quantize import dequantize_reference
+from lightning_act.model_prep import has_compiled_parts
+from lightning_act.profiling import measure_step_memory
+
+pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported() or not compiled_regions.supported(),
+                                reason="torch.compile with inlined saved-tensor hooks unsupported here")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _mlp(width: int = 64, depth: int = 3) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, width), nn.GELU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 4))
+
+
+def _gradients(model: nn.Module, step) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    step().float().square().mean().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _compressed(compressor, net, autocast: torch.dtype | None = None):
+    def step(x):
+        with compressor.compress(), torch.autocast("cpu", dtype=autocast or torch.bfloat16,
+                                                   enabled=autocast is not None):
+            return net(x)
+
+    return step
+
+
+def _compiled_records(compressor):
+    return [r for r in compressor.stats().records if r.phase == "compiled"]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 33, 1000])
+def test_traced_packing_is_pack_codes(bits, n):
+    codes = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
+    assert torch.equal(pack_codes_traced(codes, bits), pack_codes(codes.clone(), bits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 255, 256, 3 * 256 + 5])
+@pytest.mark.parametrize("stats_dtype", [torch.float32, torch.bfloat16])
+def test_traced_encode_is_the_quantize_format(dtype, n, stats_dtype):
+    """What the forward graph stores decodes with the format's reference within a step of each group, its
+    statistics those of the group's own elements, in the format's sizes."""
+    bits, group = 4, 256
+    x = (torch.randn(n, dtype=torch.float64) * 3).to(dtype)
+    payload, mn, step = compiled_regions.encode_traced(x, bits, group, stats_dtype)
+    groups = -(-n // group)
+    assert payload.dtype == torch.uint8 and payload.numel() == packed_nbytes(n, bits)
+    assert mn.shape == step.shape == (groups,) and mn.dtype == step.dtype == stats_dtype
+    x32 = x.float().double()  # the format's statistics are of the float32 values (float64 inputs rounded)
+    padded = torch.cat([x32, x32[-1:].expand(groups * group - n)]).view(groups, group)
+    assert torch.all(mn.double() <= padded.amin(dim=1))
+    y = dequantize_reference(payload, mn, step, n, bits, group, dtype)
+    assert y.dtype == dtype and y.shape == (n,)
+    bound = step.double().repeat_interleave(group)[:n] * 1.01 + padded.abs().amax() * 2.0 ** -7
+    assert torch.all((y.double() - x.double()).abs() <= bound)
+
+
+def test_each_decode_moves_right_before_its_first_reader():
+    graph = torch.fx.Graph()
+    payload, mn, step, grad = (graph.placeholder(name) for name in ("payload", "mn", "step", "grad"))
+    decoded = graph.call_function(torch.ops.lightning_act.dequantize.default,
+                                  (payload, mn, step, 8, 4, 256, torch.float32, -1))
+    view = graph.call_function(torch.ops.aten.view.default, (decoded, [2, 4]))
+    squared = graph.call_function(torch.ops.aten.mul.Tensor, (grad, grad))
+    added = graph.call_function(torch.ops.aten.add.Tensor, (squared, view))
+    graph.output(added)
+    compiled_regions.SinkDecodes()(graph)
+    assert [n.name for n in graph.nodes][4:] == [squared.name, decoded.name, view.name, added.name, "output"]
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_a_compiled_model_compresses_inside_its_graph(autocast):
+    model = _mlp(width=256)
+    x = torch.randn(64, 16)
+    reference = _gradients(model, lambda: model(x))
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=1024))
+    assert compressor.graph_hooks is not None
+    step = _compressed(compressor, net, autocast)
+    grads = [_gradients(model, lambda: step(x)) for _ in range(2)]
+    for g in grads:
+        assert torch.nn.functional.cosine_similarity(g, reference, dim=0) > 0.995
+    assert not torch.equal(grads[0], grads[1])  # fresh noise each step
+    # the hidden activations AOTAutograd saves (its partitioner may recompute some); under autocast also the
+    # input's bfloat16 copy
+    records = [r for r in _compiled_records(compressor) if r.shape.numel() == 64 * 256]
+    assert len(records) >= 3
+    itemsize = 2 if autocast else 4
+    for r in records:
+        assert (r.codec, r.bits, r.original_bytes) == ("quantize", 4.0, 64 * 256 * itemsize)
+        assert r.stored_bytes == 64 * 256 // 2 + 2 * 4 * (64 * 256 // 256)  # codes, min and step per group
+
+
+def test_the_compiled_steps_peak_falls():
+    """Decoded right before their readers: without SinkDecodes the backward decodes every activation as it
+    starts, and the step peaks as the uncompressed one does."""
+    model = _mlp(width=256, depth=8)
+    x = torch.randn(2048, 16)
+    peaks = {}
+    for name, config in (("kept", None), ("compressed", act.ACTConfig(bits=4, adaptive=False))):
+        net = torch.compile(model)
+        compressor = act.ActivationCompressor(net, config) if config else None
+
+        def step():
+            with compressor.compress() if compressor else contextlib.nullcontext():
+                loss = net(x).square().mean()
+            loss.backward()
+
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step()
+        model.zero_grad(set_to_none=True)
+        peaks[name] = measure_step_memory(step).peak_bytes
+        torch._dynamo.reset()
+    activation = 2048 * 256 * 4
+    assert peaks["kept"] >= 8 * activation, peaks  # 20.3 MiB measured: 16 saved activations, recomputed some
+    assert peaks["compressed"] <= 0.55 * peaks["kept"], peaks  # 9.1 MiB measured
+
+
+def test_eager_code_between_compiled_graphs_runs_the_engine():
+    """A module dynamo leaves eager runs the compressor's own hooks (its records: phase "forward"), the compiled
+    parts around it the inlined ones."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.middle, self.last = nn.Linear(16, 256), nn.Linear(256, 256), nn.Linear(256, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.first(x))
+            h = torch.compiler.disable(lambda t: torch.tanh(self.middle(t)))(h)
+            return self.last(torch.tanh(h))
+
+    model = Model()
+    x = torch.randn(64, 16)
+    reference = _gradients(model, lambda: model(x))
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+    grads = _gradients(model, lambda: _compressed(compressor, net)(x))
+    assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.999
+    phases = {r.phase for r in compressor.stats().records if r.kind == "compressed"}
+    assert phases == {"forward", "compiled"}
+
+
+def test_channels_last_convolutions_decode_in_their_memory_order():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 3, padding=1), nn.GELU(),
+                          nn.Flatten(), nn.Linear(16 * 8 * 8, 4)).to(memory_format=torch.channels_last)
+    x = torch.randn(16, 3, 8, 8).to(memory_format=torch.channels_last)
+    reference = _gradients(model, lambda: model(x))
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+    grads = _gradients(model, lambda: _compressed(compressor, net)(x))
+    assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.999
+    assert len(_compiled_records(compressor)) >= 3
+
+
+def test_dynamic_shapes_compile_once_for_every_batch():
+    model = _mlp(width=256)
+    counter = CompileCounterWithBackend("inductor")
+    net = torch.compile(model, backend=counter, dynamic=True)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=1024))
+    step = _compressed(compressor, net)
+    for batch in (64, 80, 96):
+        x = torch.randn(batch, 16)
+        reference = _gradients(model, lambda: model(x))
+        grads = _gradients(model, lambda: step(x))
+        assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.995
+        assert {r.original_bytes for r in _compiled_records(compressor)} == {batch * 256 * 4}
+    assert counter.frame_count == 1  # the same hooks every step: no guard fails
+
+
+def test_other_codecs_keep_compiled_activations_and_say_so():
+    model = _mlp(width=256)
+    x = torch.randn(64, 16)
+    reference = _gradients(model, lambda: model(x))
+    net = torch.compile(model)
+    with pytest.warns(UserWarning, match=r"only codec='quantize' at 1, 2, 4 or 8 bits .* codec='division'") as w:
+        compressor = act.ActivationCompressor(net, act.ACTConfig(codec="division", min_numel=1024))
+    assert w[0].filename == __file__
+    grads = _gradients(model, lambda: _compressed(compressor, net)(x))
+    torch.testing.assert_close(grads, reference)
+    assert _compiled_records(compressor) == []
+
+
+def test_a_torch_without_inlined_hooks_is_warned_about_at_the_users_line(monkeypatch):
+    monkeypatch.setattr(compiled_regions, "supported", lambda: False)
+    model = torch.compile(nn.Linear(4, 4))  # compiles lazily: building the wrapper is enough
+    with pytest.warns(UserWarning, match=r"runs saved-tensor hooks after a compiled forward") as w:
+        compressor = act.ActivationCompressor(model, act.ACTConfig())
+    assert w[0].filename == __file__
+    assert compressor.graph_hooks is None
+
+
+@pytest.mark.parametrize("compile_", ["wrapper", "in place", "submodule"])
+def test_compiled_parts_are_found(compile_):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    if compile_ == "wrapper":
+        model = torch.compile(model)
+    elif compile_ == "in place":
+        model.compile()
+    else:
+        model[0] = torch.compile(model[0])
+    assert has_compiled_parts(model)
+    assert not has_compiled_parts(nn.Sequential(nn.Linear(4, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert act.ActivationCompressor(model, act.ACTConfig()).graph_hooks is not None
+    assert act.ActivationCompressor(model, act.ACTConfig(opt_level="L0")).graph_hooks is None
+
+
+def test_a_lightning_module_compiled_in_place_is_found():
+    pl = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.layer(x)
+
+    assert has_compiled_parts(from_compiled(torch.compile(Module())))
