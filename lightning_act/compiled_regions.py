@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 # The encode's element counter is int32 (quantize_groups): larger tensors are kept.
 MAX_NUMEL = (1 << 31) - 1
-_OWNERS: "weakref.WeakValueDictionary[int, GraphHooks]" = weakref.WeakValueDictionary()
+_OWNERS: weakref.WeakValueDictionary[int, GraphHooks] = weakref.WeakValueDictionary()
 _OWNER_IDS = itertools.count()
 
 
@@ -150,7 +150,7 @@ class GraphHooks:
     """The saved-tensor hooks a compressor installs for a model with compiled parts: ``pack`` and ``unpack``
     (GraphModules, the same objects every step: dynamo guards on their identity, and compiles again for others)."""
 
-    def __init__(self, compressor: "ActivationCompressor"):
+    def __init__(self, compressor: ActivationCompressor):
         config = compressor.config
         self._compressor = weakref.ref(compressor)
         self.owner = next(_OWNER_IDS)
@@ -163,7 +163,7 @@ class GraphHooks:
         install_sink_pass()
 
     @property
-    def compressor(self) -> "ActivationCompressor":
+    def compressor(self) -> ActivationCompressor:
         compressor = self._compressor()
         if compressor is None:
             raise RuntimeError("the ActivationCompressor of these hooks was deleted")

@@ -1,0 +1,179 @@
+"""torch.compile'd models: activations compressed inside the compiled graphs (``lightning_act.compiled_regions``)
+beside the compiled model alone, the compiled model with torch's checkpointing, and the eager runs.
+
+    python benchmarks/bench_compiled.py [--models bert resnet] [--repeats 3] [--out benchmarks/results/compiled.md]
+
+Each configuration trains its own copy of the model (same seed, same batch): a compiled model keeps its compiled
+graphs, and a checkpointed one its checkpointing, for the whole run (switching them per step would compile again).
+The configurations take turns step by step after two warm-up rounds (the first compiles). Peak: the step's
+resident-set growth (``peak_memory.peak_step_bytes``, glibc's mmap threshold pinned); time: median step seconds;
+peak ÷ and time × against the eager baseline, and against the compiled one. On CUDA the same rows run on the
+device (peak: ``torch.cuda.max_memory_allocated``), bf16 autocast.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from peak_memory import ensure_fixed_mmap_threshold, peak_step_bytes  # noqa: E402
+
+import lightning_act as act  # noqa: E402
+import models  # noqa: E402
+from models import MachineLoad, machine, publish  # noqa: E402
+
+MiB = 2**20
+# model -> (builder in models.py, batch, builder options); the sizes of run_all.py's memory section
+MODELS = {"bert": ("BERT", "bert", 8, {"seq": 128, "layers": 4}),
+          "resnet": ("ResNet-50", "resnet", 32, {"size": 64})}
+# config -> (compiled, compressor config, torch checkpointing)
+CONFIGS = {
+    "eager": (False, None, False),
+    "eager, quantize 4-bit": (False, act.ACTConfig(bits=4, adaptive=False), False),
+    "eager, torch checkpoint": (False, None, True),
+    "compiled": (True, None, False),
+    "compiled, quantize 4-bit": (True, act.ACTConfig(bits=4, adaptive=False), False),
+    "compiled, torch checkpoint": (True, None, True),
+}
+
+
+def _checkpointed(model: nn.Module) -> None:
+    """torch's checkpointing per HF layer, or per ResNet bottleneck block (``torch.utils.checkpoint``)."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        return
+    from bench_gpu import checkpoint_blocks
+
+    for block in checkpoint_blocks(model).values():
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+
+
+class Run:
+    """One configuration's copy of the model, its loss closure and compressor."""
+
+    def __init__(self, builder: str, batch: int, options: dict, config: str, device: torch.device):
+        compiled, compressor_config, checkpointing = CONFIGS[config]
+        model, loss_fn = getattr(models, builder)(batch, **options)
+        self.model = model.to(device)
+        self.loss_fn, self.device = loss_fn, device
+        if checkpointing:
+            _checkpointed(self.model)
+        if compiled:
+            self.model.compile()
+        self.compressor = act.ActivationCompressor(self.model, compressor_config) if compressor_config else None
+
+    def step(self) -> float:
+        self.model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            if self.device.type == "cuda":
+                stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+            if self.compressor is not None:
+                stack.enter_context(self.compressor.compress())
+            loss = self.loss_fn()
+        loss.backward()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.model.zero_grad(set_to_none=True)
+        return seconds
+
+    def peak(self, seconds: list) -> int:
+        if self.device.type != "cuda":
+            return peak_step_bytes(lambda: seconds.append(self.step()))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        seconds.append(self.step())
+        return torch.cuda.max_memory_allocated(self.device) - before
+
+
+def measure(model_key: str, configs: list[str], repeats: int, warmup: int, device: torch.device) -> list[dict]:
+    name, builder, batch, options = MODELS[model_key]
+    if device.type == "cuda":
+        options = {"size": 224} if builder == "resnet" else {**options, "seq": 512, "layers": 12, "hidden": 768,
+                                                                "heads": 12}
+    runs = {config: Run(builder, batch, options, config, device) for config in configs}
+    seconds = {config: [] for config in configs}
+    peaks = {config: [] for config in configs}
+    compile_s = {}
+    for round_index in range(warmup + repeats):
+        for config, run in runs.items():
+            started = time.perf_counter()
+            step_seconds = []
+            peak = run.peak(step_seconds)
+            if round_index == 0:
+                compile_s[config] = time.perf_counter() - started
+            if round_index >= warmup:
+                seconds[config] += step_seconds
+                peaks[config].append(peak)
+        print(f"  {name}: round {round_index + 1} of {warmup + repeats}", flush=True)
+    rows = []
+    for config, run in runs.items():
+        stats = run.compressor.stats() if run.compressor is not None else None
+        rows.append({"model": name, "batch": batch, "config": config, "peak_mib": statistics.median(peaks[config]) / MiB,
+                     "step_ms": 1e3 * statistics.median(seconds[config]), "first_step_s": compile_s[config],
+                     "ratio": stats.ratio if stats else None,
+                     "compiled_tensors": sum(r.phase == "compiled" for r in stats.records) if stats else None})
+    for reference in ("eager", "compiled"):
+        base = next((r for r in rows if r["config"] == reference), None)
+        for r in rows:
+            r[f"peak_div_{reference}"] = base["peak_mib"] / r["peak_mib"] if base and r["peak_mib"] > 0 else None
+            r[f"time_x_{reference}"] = r["step_ms"] / base["step_ms"] if base else None
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | batch | config | peak MiB | peak ÷ eager | peak ÷ compiled | step ms | time × eager | "
+             "time × compiled | ratio (tensors in compiled graphs) | first step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x ({r['compiled_tensors']})"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['config']} | {r['peak_mib']:.1f} | "
+                     f"{_fmt(r['peak_div_eager'], '.2f')} | {_fmt(r['peak_div_compiled'], '.2f')} | "
+                     f"{r['step_ms']:.0f} | {_fmt(r['time_x_eager'], '.2f')} | {_fmt(r['time_x_compiled'], '.2f')} | "
+                     f"{ratio} | {r['first_step_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        ensure_fixed_mmap_threshold()
+    started = time.perf_counter()
+    with MachineLoad() as load:
+        rows = [row for key in args.models for row in measure(key, args.configs, args.repeats, args.warmup, device)]
+    busy = load.summary()
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    text = "\n\n".join([
+        "# torch.compile'd models: compressed inside the compiled graphs", table(rows),
+        f"Command: `python benchmarks/bench_compiled.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
+        f"{machine()}; device: {device_name}; {(time.perf_counter() - started) / 60:.1f} min.",
+        f"Other processes used {busy['other_cores']:.2f} of the {busy['cpus']} CPUs on average while this ran "
+        f"(1-minute load average {busy['loadavg_start']:.1f} at the start, {busy['loadavg_end']:.1f} at the end)."]) + "\n"
+    publish(text, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
