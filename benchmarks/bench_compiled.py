@@ -3,17 +3,17 @@ beside the compiled model alone, the compiled model with torch's checkpointing, 
 
     python benchmarks/bench_compiled.py [--models bert resnet] [--repeats 3] [--out benchmarks/results/compiled.md]
 
-Each configuration trains its own copy of the model (same seed, same batch): a compiled model keeps its compiled
-graphs, and a checkpointed one its checkpointing, for the whole run (switching them per step would compile again).
+Each configuration trains its own copy of the model (same seed, same batch): a compiled model (``torch.compile``'s
+wrapper) keeps its compiled graphs, and a checkpointed one its checkpointing, for the whole run (switching them
+per step would compile again).
 The configurations take turns step by step after two warm-up rounds (the first compiles). Peak: the step's
 resident-set growth (``peak_memory.peak_step_bytes``, glibc's mmap threshold pinned); time: median step seconds;
-peak ÷ and time × against the eager baseline, and against the compiled one. On CUDA the same rows run on the
-device (peak: ``torch.cuda.max_memory_allocated``), bf16 autocast.
+peak ÷ and time × against the eager baseline, and against the compiled one. On a GPU, ``bench_gpu.py``'s
+``compiled`` configurations measure the same comparison (BERT-base, ResNet-50, bf16 autocast).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import statistics
 import sys
@@ -60,48 +60,20 @@ def _checkpointed(model: nn.Module) -> None:
 class Run:
     """One configuration's copy of the model, its loss closure and compressor."""
 
-    def __init__(self, builder: str, batch: int, options: dict, config: str, device: torch.device):
+    def __init__(self, builder: str, batch: int, options: dict, config: str):
         compiled, compressor_config, checkpointing = CONFIGS[config]
-        model, loss_fn = getattr(models, builder)(batch, **options)
-        self.model = model.to(device)
-        self.loss_fn, self.device = loss_fn, device
-        if checkpointing:
+        self.model, self.loss_fn = getattr(models, builder)(batch, compiled=compiled, **options)
+        if checkpointing:  # before the first call, which compiles
             _checkpointed(self.model)
-        if compiled:
-            self.model.compile()
         self.compressor = act.ActivationCompressor(self.model, compressor_config) if compressor_config else None
 
     def step(self) -> float:
-        self.model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        with contextlib.ExitStack() as stack:
-            if self.device.type == "cuda":
-                stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-            if self.compressor is not None:
-                stack.enter_context(self.compressor.compress())
-            loss = self.loss_fn()
-        loss.backward()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        self.model.zero_grad(set_to_none=True)
-        return seconds
-
-    def peak(self, seconds: list) -> int:
-        if self.device.type != "cuda":
-            return peak_step_bytes(lambda: seconds.append(self.step()))
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        seconds.append(self.step())
-        return torch.cuda.max_memory_allocated(self.device) - before
+        return models.train_step(self.model, self.loss_fn, self.compressor)
 
 
-def measure(model_key: str, configs: list[str], repeats: int, warmup: int, device: torch.device) -> list[dict]:
+def measure(model_key: str, configs: list[str], repeats: int, warmup: int) -> list[dict]:
     name, builder, batch, options = MODELS[model_key]
-    if device.type == "cuda":
-        options = {"size": 224} if builder == "resnet" else {**options, "seq": 512, "layers": 12, "hidden": 768,
-                                                                "heads": 12}
-    runs = {config: Run(builder, batch, options, config, device) for config in configs}
+    runs = {config: Run(builder, batch, options, config) for config in configs}
     seconds = {config: [] for config in configs}
     peaks = {config: [] for config in configs}
     compile_s = {}
@@ -109,7 +81,7 @@ def measure(model_key: str, configs: list[str], repeats: int, warmup: int, devic
         for config, run in runs.items():
             started = time.perf_counter()
             step_seconds = []
-            peak = run.peak(step_seconds)
+            peak = peak_step_bytes(lambda run=run: step_seconds.append(run.step()))
             if round_index == 0:
                 compile_s[config] = time.perf_counter() - started
             if round_index >= warmup:
@@ -154,21 +126,17 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        ensure_fixed_mmap_threshold()
+    ensure_fixed_mmap_threshold()
     started = time.perf_counter()
     with MachineLoad() as load:
-        rows = [row for key in args.models for row in measure(key, args.configs, args.repeats, args.warmup, device)]
+        rows = [row for key in args.models for row in measure(key, args.configs, args.repeats, args.warmup)]
     busy = load.summary()
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     text = "\n\n".join([
         "# torch.compile'd models: compressed inside the compiled graphs", table(rows),
         f"Command: `python benchmarks/bench_compiled.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
-        f"{machine()}; device: {device_name}; {(time.perf_counter() - started) / 60:.1f} min.",
+        f"{machine()}; {(time.perf_counter() - started) / 60:.1f} min.",
         f"Other processes used {busy['other_cores']:.2f} of the {busy['cpus']} CPUs on average while this ran "
         f"(1-minute load average {busy['loadavg_start']:.1f} at the start, {busy['loadavg_end']:.1f} at the end)."]) + "\n"
     publish(text, args.out)

@@ -24,7 +24,9 @@ Linear -> activation pairs bounded), L1 and 4-bit with ``side_stream=True`` (enc
 torch path through ``torch.compile``, no CuPy kernels), ``division``, ``lorenzo`` (eb 1e-2), CB1 (4-bit compressed
 checkpointing: HF layers through the config, other models' blocks through ``lightning_act.checkpoint``), CB2 (CB1 +
 chunked attention, HF only); the peers torch checkpointing (``gradient_checkpointing_enable()`` for HF,
-``torch.utils.checkpoint`` per block otherwise) and ``torch.autograd.graph.save_on_cpu``; the memory-budget mode
+``torch.utils.checkpoint`` per block otherwise) and ``torch.autograd.graph.save_on_cpu``; the model
+``torch.compile``'d (in place) alone, with 4-bit activations compressed inside its graphs
+(``lightning_act.compiled_regions``) and with torch checkpointing; the memory-budget mode
 (``ACTConfig(memory_budget=...)``, planned by ``lightning_act.adapt.memory_budget.MemoryBudget``) at torch
 checkpointing's peak unless ``--memory-budget`` says.
 
@@ -85,13 +87,15 @@ class Method:
 
     ``checkpoint``: per block, ``"torch"`` (HF ``gradient_checkpointing_enable()``, else ``torch.utils.checkpoint``)
     or ``"compressed"`` (``lightning_act.checkpoint``; HF models get it from the config's CB level instead).
-    ``budget``: the memory-budget planner, at the budget the run gives. ``hf_only``: nothing to do outside HF."""
+    ``budget``: the memory-budget planner, at the budget the run gives. ``hf_only``: nothing to do outside HF.
+    ``compiled``: the model ``torch.compile``'d in place (``module.compile()``) for the configuration's steps."""
 
     config: act.ACTConfig | None = None
     checkpoint: str | None = None
     save_on_cpu: bool = False
     budget: bool = False
     hf_only: bool = False
+    compiled: bool = False
 
 
 METHODS = {
@@ -110,6 +114,10 @@ METHODS = {
     "CB2": Method(act.ACTConfig(opt_level="CB2", adaptive=False), hf_only=True),
     "torch checkpoint": Method(checkpoint="torch"),
     "save_on_cpu": Method(save_on_cpu=True),
+    # torch.compile'd: compressed inside the compiled graphs (lightning_act.compiled_regions), beside the peers
+    "compiled": Method(compiled=True),
+    "compiled, 4-bit": Method(act.ACTConfig(bits=4, adaptive=False), compiled=True),
+    "compiled, torch checkpoint": Method(checkpoint="torch", compiled=True),
     "memory budget": Method(budget=True),
 }
 # what the CB levels warn about a model without HF layers: the per-block checkpoint below is what it asks for
@@ -154,6 +162,8 @@ class Prepared:
             for block in checkpoint_blocks(model).values():
                 block.forward = functools.partial(wrap, block.forward)
                 self._patched.append(block)
+        if method.compiled:  # after the checkpoint wrappers: they are compiled with the rest
+            model.compile()
 
     def calibrate(self, loss_fn: Callable[[], torch.Tensor], budget_bytes: int | None = None,
                   allocation: dict | None = None) -> None:
@@ -216,6 +226,9 @@ class Prepared:
         if self._hf_checkpointing:
             disable = getattr(self.model, "activation_checkpointing_disable", None)
             (disable or self.model.gradient_checkpointing_disable)()
+        if self.method.compiled:
+            self.model._compiled_call_impl = None  # what module.compile() set
+            torch._dynamo.reset()  # the next configuration compiles its own graphs
 
 
 def carry_allocation(state: dict, from_batch: int, to_batch: int) -> dict:

@@ -12,6 +12,8 @@ CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on t
 - ``lorenzo trim``: once the GPU has written a lorenzo payload, the next encode's poll cuts it to its exact size.
 - ``compile``: ``backend="compile"`` (Triton) stores the specification's bytes (run last: compiling takes
   longest).
+- ``compiled model``: a ``torch.compile``'d BERT step compresses inside its graphs (``lightning_act.compiled_regions``),
+  its gradients close to the compiled uncompressed step's.
 - ``side stream``: gradients of a training step with ``side_stream=True`` equal those without, bit for bit.
 - ``step``: a BERT step from a config under bf16 autocast at 4 bits: finite loss, gradients close to the
   uncompressed step's (cosine).
@@ -221,12 +223,13 @@ class Checks:
             problem = "decode differs"
         return problem
 
-    def _bert(self, layers: int = 2, hidden: int = 128, seq: int = 64, batch: int = 4):
+    def _bert(self, layers: int = 2, hidden: int = 128, seq: int = 64, batch: int = 4, dropout: float = 0.1):
         from transformers import BertConfig, BertForSequenceClassification
 
         torch.manual_seed(0)
         config = BertConfig(vocab_size=512, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                            intermediate_size=4 * hidden, max_position_embeddings=seq)
+                            intermediate_size=4 * hidden, max_position_embeddings=seq, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout)
         model = BertForSequenceClassification(config).to(self.device).train()
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=self.device)
         labels = torch.randint(0, 2, (batch,), device=self.device)
@@ -269,6 +272,24 @@ class Checks:
         if not (torch.isfinite(grads).all() and abs(compressed_loss - loss) < 1e-3 * max(1.0, abs(loss))):
             return f"loss {compressed_loss} against {loss} uncompressed, or non-finite gradients"
         return None if cosine > 0.9 else f"gradient cosine {cosine:.4f} to the uncompressed step's (want > 0.9)"
+
+    def compiled_model(self) -> str | None:
+        """A torch.compile'd BERT step under bf16 autocast at 4 bits: activations compressed inside its graphs
+        (Triton encode, the codec's decode), gradients close to the compiled uncompressed step's (no dropout:
+        compiled graphs draw their masks in their own order)."""
+        model, loss_fn = self._bert(dropout=0.0)
+        model.compile()
+        try:
+            loss, exact = self._grads(model, loss_fn, None, autocast=True)
+            compressed_loss, grads = self._grads(model, loss_fn, act.ACTConfig(bits=4, adaptive=False), autocast=True)
+        finally:
+            model._compiled_call_impl = None
+            torch._dynamo.reset()
+        cosine = float(torch.nn.functional.cosine_similarity(grads, exact, dim=0))
+        self.note = f"gradient cosine {cosine:.4f} to the compiled uncompressed step's"
+        if not (torch.isfinite(grads).all() and abs(compressed_loss - loss) < 1e-2 * max(1.0, abs(loss))):
+            return f"loss {compressed_loss} against {loss} uncompressed, or non-finite gradients"
+        return None if cosine > 0.9 else f"gradient cosine {cosine:.4f} (want > 0.9)"
 
     def host_time(self) -> str | None:
         """µs of host time per saved tensor in the hooks, the real CUDA path (reported, not a pass/fail bar)."""
@@ -329,6 +350,7 @@ def checks(device: torch.device, only: tuple[str, ...], codecs: tuple[str, ...] 
     for dtype in (torch.bfloat16, torch.float32):
         plan.append(("compile", f"4-bit, {str(dtype).removeprefix('torch.')}",
                      lambda dtype=dtype: c.compiled(4, dtype)))
+    plan.append(("compiled model", "BERT 2x128 torch.compile'd, 4-bit, bf16", c.compiled_model))
     for check, case, fn in plan:
         if not only or check.replace(" ", "-") in only:
             c.run(check, case, fn)

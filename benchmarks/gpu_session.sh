@@ -8,7 +8,8 @@
 #    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, host µs per saved tensor;
 #    then bench_torch_path.py --device cuda: each codec's torch path against its kernels (GB/s, how many times);
 # 2. bench_gpu.py, first the rows issue #20 judges (BERT-base and ResNet-50: baseline, L1, 4-bit, 2-bit, CB1, torch
-#    checkpointing), then the other models and configurations in the time left.
+#    checkpointing), then BERT-base torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing),
+#    then the other models and configurations in the time left.
 # Every report is rewritten as its rows arrive, so a run cut short keeps what it measured. Results go to $OUT (the
 # device tool's folder) or benchmarks/results; copy them into benchmarks/results and commit them.
 set -u
@@ -27,10 +28,18 @@ timeout 120 python benchmarks/bench_torch_path.py --device cuda --repeats 3 --co
     --out "$out/torch_path_gpu.md" > "$out/torch_path_gpu.log" 2>&1
 echo "bench_torch_path.py --device cuda: exit $?, $(left) s left"
 # --time-budget stops starting configurations; timeout ends one still running (its rows so far are written)
-core=$(( $(left) * 2 / 3 ))
+core=$(( $(left) / 2 ))
 timeout "$core" python benchmarks/bench_gpu.py --time-budget $(( core - 60 )) --models bert-base resnet50 \
     --configs baseline L1 4-bit "torch checkpoint" CB1 2-bit --out "$out/gpu.md" > "$out/bench_gpu.log" 2>&1
 echo "bench_gpu.py, issue #20's rows: exit $?, $(left) s left"
+# torch.compile'd BERT-base: compressed inside its graphs against the compiled model alone (each compiles first)
+compiled=$(( $(left) * 2 / 3 ))
+if [ "$compiled" -gt 120 ]; then
+    timeout "$compiled" python benchmarks/bench_gpu.py --time-budget $(( compiled - 90 )) --models bert-base \
+        --configs baseline compiled "compiled, 4-bit" "compiled, torch checkpoint" --out "$out/gpu_compiled.md" \
+        > "$out/bench_gpu_compiled.log" 2>&1
+    echo "bench_gpu.py, compiled rows: exit $?, $(left) s left"
+fi
 if [ "$(left)" -gt 90 ]; then
     timeout "$(left)" python benchmarks/bench_gpu.py --time-budget $(( $(left) - 60 )) \
         --models bert-base resnet50-cl resnet50 gcn \
@@ -39,4 +48,4 @@ if [ "$(left)" -gt 90 ]; then
         "torch checkpoint" "memory budget" save_on_cpu --out "$out/gpu_more.md" > "$out/bench_gpu_more.log" 2>&1
     echo "bench_gpu.py, the other rows: exit $?, $(left) s left"
 fi
-tail -n 4 "$out/gpu_checks.md" "$out/torch_path_gpu.md" "$out/gpu.md" 2>/dev/null
+tail -n 4 "$out/gpu_checks.md" "$out/torch_path_gpu.md" "$out/gpu.md" "$out/gpu_compiled.md" 2>/dev/null

@@ -28,25 +28,32 @@ def cnn(batch: int, size: int = 64):
     return model, lambda: nn.functional.cross_entropy(model(x), y)
 
 
-def resnet(batch: int, size: int = 64, classes: int = 10):
-    """ResNet-50 (``resnet50``) on ``size``^2 RGB with a ``classes``-way head."""
+def _compiled(model: nn.Module, compiled: bool) -> nn.Module:
+    # the wrapper, not module.compile(): compiled in place, an nn.Sequential's own forward is skipped by dynamo,
+    # which then compiles each block as a frame of its own (and, past its recompile limit, leaves them eager)
+    return torch.compile(model) if compiled else model
+
+
+def resnet(batch: int, size: int = 64, classes: int = 10, compiled: bool = False):
+    """ResNet-50 (``resnet50``) on ``size``^2 RGB with a ``classes``-way head (``compiled``: ``torch.compile``'d,
+    the wrapper returned and called)."""
     torch.manual_seed(0)
-    model = resnet50(classes)
+    model = _compiled(resnet50(classes), compiled)
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, classes, (batch,))
     return model, lambda: nn.functional.cross_entropy(model(x), y)
 
 
 def bert(batch: int, seq: int = 128, layers: int = 4, hidden: int = 256, attn_implementation: str | None = None,
-         heads: int = 4):
+         heads: int = 4, compiled: bool = False):
     """``BertForSequenceClassification`` from a small config (``layers`` x ``hidden``, ``heads`` heads), random
-    tokens."""
+    tokens (``compiled``: as for ``resnet``)."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
     cfg = BertConfig(vocab_size=2000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=4 * hidden, max_position_embeddings=max(seq, 64), **options)
-    model = BertForSequenceClassification(cfg).train()
+    model = _compiled(BertForSequenceClassification(cfg).train(), compiled)
     ids, labels = torch.randint(0, 2000, (batch, seq)), torch.randint(0, 2, (batch,))
     return model, lambda: model(input_ids=ids, labels=labels).loss
 
