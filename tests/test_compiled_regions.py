@@ -232,16 +232,18 @@ def test_compiled_parts_are_found(compile_):
     assert act.ActivationCompressor(model, act.ACTConfig(opt_level="L0")).graph_hooks is None
 
 
-def test_a_lightning_module_compiled_in_place_is_found():
-    pl = pytest.importorskip("lightning.pytorch")
-    from lightning.pytorch.utilities.compile import from_compiled
+def test_the_act_strategy_compresses_a_compiled_lightning_module_inside_its_graphs():
+    """Trainer.fit(torch.compile(module)): Lightning compiles the module in place (from_compiled), the strategy's
+    compressor finds it and compresses inside the compiled training step."""
+    lightning = pytest.importorskip("lightning")
+    from tests.lightning_models import TinyCNN, random_loader
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layer = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.layer(x)
-
-    assert has_compiled_parts(from_compiled(torch.compile(Module())))
+    torch.manual_seed(0)
+    trainer = lightning.Trainer(strategy=act.ACTStrategy(act.ACTConfig(bits=4, adaptive=False)), max_steps=2,
+                                accelerator="cpu", logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(torch.compile(TinyCNN()), random_loader())
+    compressor = trainer.strategy.compressor
+    assert compressor.graph_hooks is not None
+    records = _compiled_records(compressor)
+    assert records and all(r.kind == "compressed" and r.bits == 4.0 for r in records)
