@@ -235,19 +235,22 @@ class Checks:
         labels = torch.randint(0, 2, (batch,), device=self.device)
         return model, lambda: model(input_ids=ids, labels=labels).loss
 
-    def _grads(self, model, loss_fn, config: act.ACTConfig | None, autocast: bool) -> tuple[float, torch.Tensor]:
+    def _grads(self, model, loss_fn, config: act.ACTConfig | act.ActivationCompressor | None,
+               autocast: bool) -> tuple[float, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
             torch.manual_seed(1)  # the same dropout masks in every run
             with contextlib.ExitStack() as stack:
                 if autocast:
                     stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
-                if config is not None:
-                    stack.enter_context(act.ActivationCompressor(model, config).compress())
+                if config is not None:  # a config, or a compressor to read the statistics of afterwards
+                    compressor = config if isinstance(config, act.ActivationCompressor) else \
+                        act.ActivationCompressor(model, config)
+                    stack.enter_context(compressor.compress())
                 loss = loss_fn()
             loss.backward()
         grads = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
-        return float(loss), grads
+        return float(loss.detach()), grads
 
     def side_stream(self) -> str | None:
         if not self.cuda:
@@ -279,14 +282,19 @@ class Checks:
         compiled graphs draw their masks in their own order)."""
         model, loss_fn = self._bert(dropout=0.0)
         model.compile()
+        config = act.ACTConfig(bits=4, adaptive=False)
         try:
             loss, exact = self._grads(model, loss_fn, None, autocast=True)
-            compressed_loss, grads = self._grads(model, loss_fn, act.ACTConfig(bits=4, adaptive=False), autocast=True)
+            compressor = act.ActivationCompressor(model, config)
+            compressed_loss, grads = self._grads(model, loss_fn, compressor, autocast=True)
         finally:
             model._compiled_call_impl = None
             torch._dynamo.reset()
+        inside = sum(r.phase == "compiled" for r in compressor.stats().records)
         cosine = float(torch.nn.functional.cosine_similarity(grads, exact, dim=0))
-        self.note = f"gradient cosine {cosine:.4f} to the compiled uncompressed step's"
+        self.note = f"gradient cosine {cosine:.4f} to the compiled uncompressed step's; {inside} tensors compressed"
+        if not inside:
+            return "no tensor compressed inside the compiled graphs"
         if not (torch.isfinite(grads).all() and abs(compressed_loss - loss) < 1e-2 * max(1.0, abs(loss))):
             return f"loss {compressed_loss} against {loss} uncompressed, or non-finite gradients"
         return None if cosine > 0.9 else f"gradient cosine {cosine:.4f} (want > 0.9)"

@@ -204,7 +204,7 @@ def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_pa
         by_model.setdefault(r["model"], {})[r["config"]] = r
     assert len(by_model) == 4
     for model, configs in by_model.items():
-        expected = set(bench_gpu.METHODS) - (set() if model.startswith("BERT") else {"CB2"})
+        expected = set(bench_gpu.DEFAULT_CONFIGS) - (set() if model.startswith("BERT") else {"CB2"})
         assert set(configs) == expected, model
         base = configs["baseline"]
         assert base["ratio"] == base["peak_reduction"] == base["time_ratio"] == 1.0
@@ -222,6 +222,21 @@ def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_pa
         assert budget["budget_mib"] == pytest.approx(configs["torch checkpoint"]["peak_mib"])
         if budget["plan_met"]:  # else the planner warned that even its most aggressive plan does not fit
             assert budget["peak_mib"] <= 1.1 * budget["budget_mib"]  # met within 10%
+
+
+def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
+    """bench_gpu.py's compiled rows (named on the command line: each compiles the model; the peaks are
+    tests/test_compiled_regions.py's): the 4-bit one stores compressed activations."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "gpu.md"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny", "--models",
+                             "bert-base", "--configs", "baseline", "compiled, 4-bit", "--repeats", "2",
+                             "--warmup", "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert set(rows) == {"baseline", "compiled, 4-bit"}
+    assert all("error" not in r for r in rows.values()), rows
+    assert rows["compiled, 4-bit"]["ratio"] > 3 and rows["compiled, 4-bit"]["stored_mib"] < rows["baseline"]["stored_mib"]
 
 
 def test_bench_gpu_writes_every_row_as_it_goes_and_keeps_to_its_time_budget(tmp_path):
@@ -272,7 +287,7 @@ def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes
     checks.run("step", "BERT", checks.step)
     checks.run("no sync", "quantize", lambda: checks.no_sync("quantize", {"bits": 4}, torch.float32))
     # the compiled-model check's code path on a 1-layer BERT (its 2 layers take a minute to compile on CPU)
-    monkeypatch.setattr(checks, "_bert", functools.partial(checks._bert, layers=1, hidden=32, seq=16))
+    monkeypatch.setattr(checks, "_bert", functools.partial(checks._bert, layers=1, hidden=64, seq=16))
     checks.run("compiled model", "BERT", checks.compiled_model)
     assert [r["status"] for r in checks.rows] == ["ok", "ok", "ok", "ok", "skipped", "ok"], checks.rows
     assert checks.rows[3]["detail"].startswith("gradient cosine 0.9")
