@@ -23,13 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from peak_memory import ensure_fixed_mmap_threshold, peak_step_bytes  # noqa: E402
-
-import lightning_act as act  # noqa: E402
-import models  # noqa: E402
-from models import MachineLoad, machine, publish  # noqa: E402
+import lightning_act as act
+import models
+from models import MachineLoad, machine, publish
+from peak_memory import ensure_fixed_mmap_threshold, peak_step_bytes
 
 MiB = 2**20
 # model -> (builder in models.py, batch, builder options); the sizes of run_all.py's memory section
