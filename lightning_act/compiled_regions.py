@@ -94,7 +94,7 @@ def dequantize(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, nume
     """Decode what :func:`encode_traced` stored, with the quantize codec of the compressor ``owner`` names (a
     default one when it is gone), and record it in that compressor's last step."""
     hooks = _OWNERS.get(owner)
-    codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size)
+    codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, mn.dtype)
     buffers = {"payload": payload, "mn": mn, "step": step}
     out = codec.decode(Packed("quantize", (numel,), dtype, payload.device, buffers,
                               {"bits": bits, "group_size": group_size}))
@@ -108,10 +108,11 @@ def _(payload, mn, step, numel, bits, group_size, dtype, owner):
     return payload.new_empty(numel, dtype=dtype)
 
 
-def _default_codec(bits: int, group_size: int):
+def _default_codec(bits: int, group_size: int, stats_dtype: torch.dtype):
     from . import codecs
 
-    return codecs.get("quantize", bits=bits, group_size=group_size)
+    stats = next(name for name, dtype in STATS_DTYPES.items() if dtype == stats_dtype)
+    return codecs.get("quantize", bits=bits, group_size=group_size, stats_dtype=stats)
 
 
 def _pack(x: torch.Tensor, owner: int):

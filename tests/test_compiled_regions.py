@@ -77,6 +77,16 @@ def test_traced_encode_is_the_quantize_format(dtype, n, stats_dtype):
     assert torch.all((y.double() - x.double()).abs() <= bound)
 
 
+@pytest.mark.parametrize("stats_dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_op_is_the_formats_decode_without_a_compressor(stats_dtype):
+    """A compiled graph can outlive its compressor: the op then decodes with a default codec of the stored
+    statistics' dtype, the same values."""
+    x = torch.randn(3 * 256 + 5)
+    payload, mn, step = compiled_regions.encode_traced(x, 2, 256, stats_dtype)
+    decoded = torch.ops.lightning_act.dequantize(payload, mn, step, x.numel(), 2, 256, torch.float32, -1)
+    assert torch.equal(decoded, dequantize_reference(payload, mn, step, x.numel(), 2, 256, torch.float32))
+
+
 def test_each_decode_moves_right_before_its_first_reader():
     graph = torch.fx.Graph()
     payload, mn, step, grad = (graph.placeholder(name) for name in ("payload", "mn", "step", "grad"))
