@@ -9,7 +9,7 @@ a compressor:
 * **Forward**: the quantize format's encode as traced torch ops (:func:`encode_traced`: the statistics, noise
   and rounding of :func:`lightning_act.formats.compiled.quantize_groups`, the codes packed by shifts), which
   inductor fuses with the ops around it: no host work per tensor at run time.
-* **Backward**: one opaque op, ``torch.ops.lightning_act.dequantize``, which decodes with the compressor's
+* **Backward**: one opaque op per tensor, ``torch.ops.lightning_act.dequantize``, which decodes with the compressor's
   quantize codec (its CUDA kernel where that runs, else its torch path) and records the tensor in the step's
   statistics (``phase="compiled"``). AOTAutograd puts the unpack graphs in the backward's prologue, where every
   activation would be decoded as the backward starts (the uncompressed step's peak again); the post-grad pass
@@ -17,11 +17,13 @@ a compressor:
 * **Eager code** (graph breaks, uncompiled submodules, checkpoint recomputation) calls the same modules with real
   tensors: they run the compressor's own hooks, with its records, de-duplication, op rules and every codec.
 
-Inside compiled regions the payload is the quantize format's (``formats.quantize``), at the config's ``bits``
-(its average when ``adaptive``), ``group_size`` and ``stats_dtype``; the noise comes from ``torch.randint`` in the
-graph, so it is not the eager path's keyed stream. Kept as they are there: tensors of other codecs' configs
-(``division``, ``lorenzo``, ``bits`` 16/32), integer and bool tensors, tensors under ``min_numel`` elements or not
-dense in memory, and what AOTAutograd does not hand to the hooks (inputs, parameters, outputs of the region).
+Inside compiled regions float tensors are stored in the quantize format (``formats.quantize``), at the config's
+``bits`` (its average when ``adaptive``), ``group_size`` and ``stats_dtype``; the noise comes from ``torch.randint``
+in the graph, so it is not the eager path's keyed stream. Bool tensors (dropout's keep masks, the comparisons a
+backward selects by) are packed at 1 bit, losslessly, when ``compress_masks`` is on (``unpack_mask`` decodes
+them). Kept as they are there: float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits``
+16/32), integer tensors, tensors under ``min_numel`` elements or not dense in memory, and what AOTAutograd does
+not hand to the hooks (inputs, parameters, outputs of the region).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_
 from torch._subclasses.fake_tensor import is_fake
 
 from .codecs.base import Packed
-from .formats._bitpack import PACKABLE_BITS, pack_codes_traced
+from .formats._bitpack import PACKABLE_BITS, pack_codes_traced, unpack_bits
 from .formats.compiled import quantize_groups
 from .formats.floats import FLOAT_DTYPES
 from .formats.quantize import STATS_DTYPES
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
 
 # The encode's element counter is int32 (quantize_groups): larger tensors are kept.
 MAX_NUMEL = (1 << 31) - 1
+# the forms a compiled forward stores a saved tensor in: the first item of the pack hook's tuple
+KEPT, QUANTIZE, BITS = "kept", "quantize", "bits"
 _OWNERS: weakref.WeakValueDictionary[int, GraphHooks] = weakref.WeakValueDictionary()
 _OWNER_IDS = itertools.count()
 
@@ -108,6 +112,21 @@ def _(payload, mn, step, numel, bits, group_size, dtype, owner):
     return payload.new_empty(numel, dtype=dtype)
 
 
+@torch.library.custom_op("lightning_act::unpack_mask", mutates_args=())
+def unpack_mask(payload: torch.Tensor, numel: int, owner: int) -> torch.Tensor:
+    """The ``numel`` flags a compiled forward packed at 1 bit (``pack_codes_traced(flags, 1)``), as bool; recorded
+    in the step's statistics like :func:`dequantize`."""
+    hooks = _OWNERS.get(owner)
+    if hooks is not None:
+        hooks.record(numel, torch.bool, 1, payload.numel(), codec="bitmask")
+    return unpack_bits(payload, numel)
+
+
+@unpack_mask.register_fake
+def _(payload, numel, owner):
+    return payload.new_empty(numel, dtype=torch.bool)
+
+
 def _default_codec(bits: int, group_size: int, stats_dtype: torch.dtype):
     from . import codecs
 
@@ -125,11 +144,16 @@ def _pack(x: torch.Tensor, owner: int):
 def _unpack(packed, owner: int) -> torch.Tensor:
     if type(packed) is not tuple:  # what the eager hook stored
         return _OWNERS[owner].unpack_eager(packed)
-    if len(packed) == 1:  # kept as it is
-        return packed[0]
-    payload, mn, step, bits, group_size, dtype, shape, inverse = packed
-    flat = torch.ops.lightning_act.dequantize(payload, mn, step, math.prod(shape), bits, group_size, dtype,
-                                              owner)
+    form, *parts = packed
+    if form == KEPT:
+        return parts[0]
+    if form == BITS:
+        payload, shape, inverse = parts
+        flat = torch.ops.lightning_act.unpack_mask(payload, math.prod(shape), owner)
+    else:
+        payload, mn, step, bits, group_size, dtype, shape, inverse = parts
+        flat = torch.ops.lightning_act.dequantize(payload, mn, step, math.prod(shape), bits, group_size, dtype,
+                                                  owner)
     values = flat.view(shape)
     return values if inverse is None else values.permute(inverse)
 
@@ -157,6 +181,7 @@ class GraphHooks:
         self.owner = next(_OWNER_IDS)
         _OWNERS[self.owner] = self
         self.bits = config.bits if compresses_in_graph(config) else None
+        self.masks = config.enabled and config.compress_masks
         self.group_size, self.min_numel = config.group_size, max(config.min_numel, 1)
         self.stats_dtype = STATS_DTYPES[config.stats_dtype]
         self.pack = _hook_module(_pack, self.owner)
@@ -178,26 +203,30 @@ class GraphHooks:
         return self.compressor._unpack(saved)
 
     def pack_traced(self, x: torch.Tensor) -> tuple:
-        """What a compiled region stores for ``x`` (a fake tensor while AOTAutograd traces): the quantize
-        format's buffers and what the decode needs, or ``(x,)`` to keep it."""
-        order = dense_order(x) if x.dtype in FLOAT_DTYPES else None
-        if self.bits is None or order is None or not self.min_numel <= x.numel() <= MAX_NUMEL:
-            return (x,)
+        """What a compiled region stores for ``x`` (a fake tensor while AOTAutograd traces): ``(BITS, ...)``, a
+        bool tensor's flags at 1 bit; ``(QUANTIZE, ...)``, the quantize format's buffers and what the decode
+        needs; or ``(KEPT, x)``."""
+        takes = (x.dtype in FLOAT_DTYPES and self.bits is not None) or (x.dtype == torch.bool and self.masks)
+        order = dense_order(x) if takes else None
+        if order is None or not self.min_numel <= x.numel() <= MAX_NUMEL:
+            return KEPT, x
         inverse = None if order == tuple(range(x.dim())) else tuple(sorted(range(x.dim()), key=order.__getitem__))
         dense = x if inverse is None else x.permute(order)
+        if x.dtype == torch.bool:  # lossless: dropout's keep masks, comparisons the backward selects by
+            return BITS, pack_codes_traced(dense.reshape(-1).to(torch.uint8), 1), tuple(dense.shape), inverse
         payload, mn, step = encode_traced(dense, self.bits, self.group_size, self.stats_dtype)
-        return payload, mn, step, self.bits, self.group_size, x.dtype, tuple(dense.shape), inverse
+        return QUANTIZE, payload, mn, step, self.bits, self.group_size, x.dtype, tuple(dense.shape), inverse
 
     def codec(self, bits: int):
         return self.compressor.codec("quantize", bits)
 
-    def record(self, numel: int, dtype: torch.dtype, bits: int, stored: int) -> None:
+    def record(self, numel: int, dtype: torch.dtype, bits: int, stored: int, codec: str = "quantize") -> None:
         """Count a tensor a compiled backward decoded in the compressor's last step (its forward has ended)."""
         step = self.compressor._last_step
         if step is not None:
             records = step.records
-            records.append(TensorRecord(len(records), torch.Size((numel,)), dtype, COMPRESSED, "quantize",
-                                        float(bits), numel * dtype.itemsize, stored, phase="compiled"))
+            records.append(TensorRecord(len(records), torch.Size((numel,)), dtype, COMPRESSED, codec, float(bits),
+                                        numel * dtype.itemsize, stored, phase="compiled"))
 
 
 _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
@@ -205,10 +234,12 @@ _VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default,
 
 
 def _sink_decodes(graph: torch.fx.Graph) -> None:
-    """Move each ``lightning_act::dequantize`` node, with the views of its output, right before the first node
-    that reads them."""
+    """Move each decode node (``lightning_act::dequantize``, ``lightning_act::unpack_mask``), with the views of
+    its output, right before the first node that reads them."""
     position = {node: i for i, node in enumerate(graph.nodes)}
-    for node in list(graph.find_nodes(op="call_function", target=torch.ops.lightning_act.dequantize.default)):
+    decodes = [node for op in (torch.ops.lightning_act.dequantize.default, torch.ops.lightning_act.unpack_mask.default)
+               for node in graph.find_nodes(op="call_function", target=op)]
+    for node in decodes:
         chain = [node]
         for link in chain:  # grows while it is walked: views of views
             chain += [user for user in link.users if user.op == "call_function" and user.target in _VIEWS]

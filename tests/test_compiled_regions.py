@@ -87,6 +87,27 @@ def test_the_decode_op_is_the_formats_decode_without_a_compressor(stats_dtype):
     assert torch.equal(decoded, dequantize_reference(payload, mn, step, x.numel(), 2, 256, torch.float32))
 
 
+@pytest.mark.parametrize("n", [1, 8, 4099])
+def test_masks_pack_to_one_bit_losslessly(n):
+    flags = torch.rand(n) > 0.3
+    payload = pack_codes_traced(flags.to(torch.uint8), 1)
+    assert payload.numel() == packed_nbytes(n, 1)
+    assert torch.equal(torch.ops.lightning_act.unpack_mask(payload, n, -1), flags)
+
+
+def test_a_compiled_models_dropout_masks_are_stored_at_one_bit():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Dropout(0.25), nn.Linear(256, 256), nn.Tanh(),
+                          nn.Linear(256, 4))
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=1024))
+    grads = _gradients(model, lambda: _compressed(compressor, net)(torch.randn(64, 16)))
+    assert torch.isfinite(grads).all()
+    masks = [r for r in _compiled_records(compressor) if r.codec == "bitmask"]
+    assert masks and all((r.dtype, r.bits, r.original_bytes, r.stored_bytes) == (torch.bool, 1.0, 64 * 256, 64 * 256 // 8)
+                         for r in masks)
+
+
 def test_each_decode_moves_right_before_its_first_reader():
     graph = torch.fx.Graph()
     payload, mn, step, grad = (graph.placeholder(name) for name in ("payload", "mn", "step", "grad"))
