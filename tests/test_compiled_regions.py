@@ -277,4 +277,20 @@ def test_the_act_strategy_compresses_a_compiled_lightning_module_inside_its_grap
     compressor = trainer.strategy.compressor
     assert compressor.graph_hooks is not None
     records = _compiled_records(compressor)
-    assert records and all(r.kind == "compressed" and r.bits == 4.0 for r in records)
+    assert {(r.codec, r.bits) for r in records} <= {("quantize", 4.0), ("bitmask", 1.0)}
+    assert any(r.codec == "quantize" for r in records)
+
+
+def test_auto_precision_skips_its_rounds_for_a_compiled_model():
+    from lightning_act.adapt import AutoPrecision
+
+    net = torch.compile(_mlp())  # compiles lazily: nothing runs here
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4))
+    with pytest.warns(UserWarning, match=r"compile'd parts, whose activations take the config's bits=4") as w:
+        auto = AutoPrecision(compressor)
+    assert w[0].filename == __file__
+
+    def step():
+        raise AssertionError("a round ran")
+
+    assert auto.maybe_adapt(0, step) is False and auto.rounds == 0

@@ -78,12 +78,20 @@ class AutoPrecision:
         self._previous_layout: Layout = ()
         self._broadcast: Callable[[Any], Any] = _torch_broadcast
         if compressor is not None:
-            self.attach(compressor)
+            self._attach(compressor)
 
     # ---- API -------------------------------------------------------------------------------------------
     def attach(self, compressor: ActivationCompressor) -> None:
         """Make ``compressor`` take its per-tensor bits from this allocation."""
+        self._attach(compressor)
+
+    def _attach(self, compressor: ActivationCompressor) -> None:  # one frame below the user's call, for warnings
         self.detach()
+        if compressor.graph_hooks is not None:
+            warnings.warn(
+                f"lightning_act: the model has torch.compile'd parts, whose activations take the config's "
+                f"bits={compressor.config.bits}; auto-precision allocates bits to eager code's tensors only, so "
+                f"its rounds are skipped (ACTConfig(adaptive=False) says so without this warning)", stacklevel=3)
         self.compressor = compressor
         self._recorder = LayoutRecorder(compressor)
         self._policy = compressor.install_policy(bits=self._recorder.wrap(self.bits_for))
@@ -129,7 +137,10 @@ class AutoPrecision:
     def maybe_adapt(self, step: int, forward_backward_fn: Callable[[], object]) -> bool:
         """Re-estimate and re-allocate when due (every ``adapt_interval`` steps, or on a new layout).
         ``forward_backward_fn`` runs the forward inside ``compressor.compress()`` and the backward on this
-        step's batch, without an optimizer step. Returns whether a round ran."""
+        step's batch, without an optimizer step. Returns whether a round ran (never for a model with compiled
+        parts: its probes would only replay steps whose compiled graphs take the config's bits)."""
+        if self._require_compressor().graph_hooks is not None:
+            return False
         observed = self._require_recorder().last_layout()
         changed = bool(observed) and observed != self.layout and observed == self._previous_layout \
             and not _distributed()
