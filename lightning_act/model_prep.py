@@ -95,8 +95,8 @@ class CompiledRegions:
         if not compiled_regions.compresses_in_graph(config):
             warnings.warn(
                 f"lightning_act: the model has torch.compile'd parts; inside them only codec='quantize' at 1, 2, 4 "
-                f"or 8 bits compresses, so with codec={config.codec!r}, bits={config.bits} their activations are "
-                f"kept as they are (eager code still uses the config)", stacklevel=3)
+                f"or 8 bits compresses floats, so with codec={config.codec!r}, bits={config.bits} their float "
+                f"activations are kept as they are (eager code still uses the config)", stacklevel=3)
         compressor.graph_hooks = compiled_regions.GraphHooks(compressor)
 
     def forward_context(self, compressor: ActivationCompressor) -> contextlib.AbstractContextManager[None]:
