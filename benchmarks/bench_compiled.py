@@ -14,18 +14,17 @@ peak ÷ and time × against the eager baseline, and against the compiled one. On
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 import lightning_act as act
 import models
 from models import MachineLoad, machine, publish
+from bench_gpu import METHODS, Prepared
 from peak_memory import ensure_fixed_mmap_threshold, peak_step_bytes
 
 MiB = 2**20
@@ -43,25 +42,14 @@ CONFIGS = {
 }
 
 
-def _checkpointed(model: nn.Module) -> None:
-    """torch's checkpointing per HF layer, or per ResNet bottleneck block (``torch.utils.checkpoint``)."""
-    if getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-        return
-    from bench_gpu import checkpoint_blocks
-
-    for block in checkpoint_blocks(model).values():
-        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
-
-
 class Run:
     """One configuration's copy of the model, its loss closure and compressor."""
 
     def __init__(self, builder: str, batch: int, options: dict, config: str):
         compiled, compressor_config, checkpointing = CONFIGS[config]
         self.model, self.loss_fn = getattr(models, builder)(batch, compiled=compiled, **options)
-        if checkpointing:  # before the first call, which compiles
-            _checkpointed(self.model)
+        if checkpointing:  # bench_gpu's peer, before the first call (which compiles), for the whole run
+            Prepared(METHODS["torch checkpoint"], self.model, torch.device("cpu"), autocast=False)
         self.compressor = act.ActivationCompressor(self.model, compressor_config) if compressor_config else None
 
     def step(self) -> float:
