@@ -455,13 +455,10 @@ class ActivationCompressor:
             with contextlib.ExitStack() as stack:
                 if step.tracker is not None:
                     stack.enter_context(step.tracker)
-                graph_hooks = self.graph_hooks
-                if graph_hooks is not None:  # they run this thread's current step's hooks in eager code
-                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(graph_hooks.pack,
-                                                                                 graph_hooks.unpack))
-                else:
-                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                        functools.partial(self._pack, step), self._unpack))
+                graph_hooks = self.graph_hooks  # in eager code they run this thread's current step's hooks
+                hooks = (functools.partial(self._pack, step), self._unpack) if graph_hooks is None else \
+                    (graph_hooks.pack, graph_hooks.unpack)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
                 yield
         finally:
             self._thread.step = outer

@@ -121,10 +121,11 @@ def test_each_decode_moves_right_before_its_first_reader():
     assert [n.name for n in graph.nodes][4:] == [squared.name, decoded.name, view.name, added.name, "output"]
 
 
-@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
-def test_a_compiled_model_compresses_inside_its_graph(autocast):
-    model = _mlp(width=256)
-    x = torch.randn(64, 16)
+@pytest.mark.parametrize("autocast, dtype", [(None, torch.float32), (torch.bfloat16, torch.float32),
+                                             (None, torch.float64)])
+def test_a_compiled_model_compresses_inside_its_graph(autocast, dtype):
+    model = _mlp(width=256).to(dtype)
+    x = torch.randn(64, 16, dtype=dtype)
     reference = _gradients(model, lambda: model(x))
     net = torch.compile(model)
     compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=1024))
@@ -138,7 +139,7 @@ def test_a_compiled_model_compresses_inside_its_graph(autocast):
     # input's bfloat16 copy
     records = [r for r in _compiled_records(compressor) if r.shape.numel() == 64 * 256]
     assert len(records) >= 3
-    itemsize = 2 if autocast else 4
+    itemsize = 2 if autocast else dtype.itemsize
     for r in records:
         assert (r.codec, r.bits, r.original_bytes) == ("quantize", 4.0, 64 * 256 * itemsize)
         assert r.stored_bytes == 64 * 256 // 2 + 2 * 4 * (64 * 256 // 256)  # codes, min and step per group
