@@ -210,6 +210,51 @@ def test_channels_last_convolutions_decode_in_their_memory_order():
     assert len(_compiled_records(compressor)) >= 3
 
 
+@pytest.mark.parametrize("layout_optimization", [True, False])
+def test_conv_activations_are_grouped_in_the_layout_inductor_gives_them(monkeypatch, layout_optimization):
+    """Inductor lays a contiguous conv net's activations out channels_last (its layout optimisation): they are
+    encoded in that order, so each group is a run of memory. The saved tensors encoded channels_last are exactly
+    the 4-d ones inductor's forward graph lays out channels_last."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.graph import GraphLowering
+
+    encoded, laid_out = {}, set()
+    pack_traced, find = compiled_regions.GraphHooks.pack_traced, GraphLowering.find_nodes_prefer_channels_last
+
+    def spy_pack(self, x):
+        packed = pack_traced(self, x)
+        if x.dim() == 4 and packed[0] == compiled_regions.QUANTIZE:
+            encoded[compiled_regions._saved_tensor_hook_context()["_node"].name] = packed[-2:]
+        return packed
+
+    def spy_find(self):
+        nodes = find(self)
+        if isinstance(self, GraphLowering) and not self.is_backward:  # not the prediction's own call
+            laid_out.update(node.name for node in nodes)
+        return nodes
+
+    monkeypatch.setattr(compiled_regions.GraphHooks, "pack_traced", spy_pack)
+    monkeypatch.setattr(GraphLowering, "find_nodes_prefer_channels_last", spy_find)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.GELU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 4))
+    x = torch.randn(16, 3, 8, 8)
+    reference = _gradients(model, lambda: model(x))
+    torch._dynamo.reset()
+    with inductor_config.patch(layout_optimization=layout_optimization, force_disable_caches=True):
+        net = torch.compile(model)
+        compressor = act.ActivationCompressor(net, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+        grads = _gradients(model, lambda: _compressed(compressor, net)(x))
+    torch._dynamo.reset()
+    assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.999
+    assert len(encoded) >= 3
+    channels_last = {name for name, (shape, inverse) in encoded.items() if inverse == (0, 3, 1, 2)}
+    for name, (shape, inverse) in encoded.items():
+        assert shape == ((16, 8, 8, 16) if name in channels_last else (16, 16, 8, 8))
+    assert channels_last == (set(encoded) & laid_out)
+    assert channels_last == (set(encoded) if layout_optimization else set())
+
+
 def test_dynamic_shapes_compile_once_for_every_batch():
     model = _mlp(width=256)
     counter = CompileCounterWithBackend("inductor")
