@@ -21,7 +21,8 @@ Inside compiled regions float tensors are stored in the quantize format (``forma
 ``bits`` (its average when ``adaptive``), ``group_size`` and ``stats_dtype``; the noise comes from ``torch.randint``
 in the graph, so it is not the eager path's keyed stream. Bool tensors (dropout's keep masks, the comparisons a
 backward selects by) are packed at 1 bit, losslessly, when ``compress_masks`` is on (``unpack_mask`` decodes
-them). Kept as they are there: float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits``
+them); so is the sign of a float tensor whose backward compares it with 0 (a ReLU output the next layer also
+saves), beside its codes, and the decode restores it exactly (:func:`restore_signs`). Kept as they are there: float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits``
 16/32), integer tensors, tensors under ``min_numel`` elements or not dense in memory, and what AOTAutograd does
 not hand to the hooks (inputs, parameters, outputs of the region).
 """
@@ -143,22 +144,52 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
 
 @torch.library.custom_op("lightning_act::dequantize", mutates_args=())
 def dequantize(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel: int, bits: int,
-               group_size: int, dtype: torch.dtype, owner: int) -> torch.Tensor:
+               group_size: int, dtype: torch.dtype, owner: int, signs: torch.Tensor | None = None) -> torch.Tensor:
     """Decode what :func:`encode_traced` stored, with the quantize codec of the compressor ``owner`` names (a
-    default one when it is gone), and record it in that compressor's last step."""
+    default one when it is gone), and record it in that compressor's last step. ``signs``: the tensor's ``x > 0``
+    at 1 bit (``pack_codes_traced``), restored exactly (:func:`restore_signs`)."""
     hooks = _OWNERS.get(owner)
     codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, mn.dtype)
     buffers = {"payload": payload, "mn": mn, "step": step}
     out = codec.decode(Packed("quantize", (numel,), dtype, payload.device, buffers,
                               {"bits": bits, "group_size": group_size}))
+    if signs is not None:
+        out = restore_signs(out, signs)
+        buffers["signs"] = signs
     if hooks is not None:
         hooks.record(numel, dtype, bits, sum(b.numel() * b.element_size() for b in buffers.values()))
     return out
 
 
 @dequantize.register_fake
-def _(payload, mn, step, numel, bits, group_size, dtype, owner):
+def _(payload, mn, step, numel, bits, group_size, dtype, owner, signs=None):
     return payload.new_empty(numel, dtype=dtype)
+
+
+def restore_signs(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Decoded ``values`` (flat) made positive where the 1-bit ``signs`` say the original was (at least the dtype's
+    smallest normal) and at most 0 elsewhere: a backward's ``x <= 0`` or ``x > 0`` test (ReLU's) reads the
+    original's pattern exactly, and every value moves by at most what its rounding to 0 left."""
+    positive = unpack_bits(signs, values.numel())
+    return torch.where(positive, values.clamp_min(torch.finfo(values.dtype).tiny), values.clamp_max(0))
+
+
+# backward ops that test a saved tensor's sign, the tensor at args[index], compared with args[threshold] == 0
+_SIGN_TESTS = {torch.ops.aten.le.Scalar: (0, 1), torch.ops.aten.gt.Scalar: (0, 1),
+               torch.ops.aten.threshold_backward.default: (1, 2)}
+
+
+def backward_tests_sign(context: dict | None) -> bool:
+    """Whether the backward graph of the pack hook's ``context`` compares the saved tensor with 0 (ReLU's
+    ``threshold_backward``, decomposed to ``le(x, 0)``)."""
+    if context is None or "_bw_graph" not in context:
+        return False
+    name = context["_node"].name  # the backward's placeholder of a saved tensor has its forward node's name
+    for placeholder in context["_bw_graph"].find_nodes(op="placeholder"):
+        if placeholder.name == name:
+            return any(user.target in _SIGN_TESTS and user.args[_SIGN_TESTS[user.target][0]] is placeholder
+                       and user.args[_SIGN_TESTS[user.target][1]] == 0 for user in placeholder.users)
+    return False
 
 
 @torch.library.custom_op("lightning_act::unpack_mask", mutates_args=())
@@ -200,9 +231,9 @@ def _unpack(packed, owner: int) -> torch.Tensor:
         payload, shape, inverse = parts
         flat = torch.ops.lightning_act.unpack_mask(payload, math.prod(shape), owner)
     else:
-        payload, mn, step, bits, group_size, dtype, shape, inverse = parts
+        payload, mn, step, bits, group_size, dtype, shape, inverse, signs = parts
         flat = torch.ops.lightning_act.dequantize(payload, mn, step, math.prod(shape), bits, group_size, dtype,
-                                                  owner)
+                                                  owner, signs)
     values = flat.view(shape)
     return values if inverse is None else values.permute(inverse)
 
@@ -254,7 +285,7 @@ class GraphHooks:
     def pack_traced(self, x: torch.Tensor) -> tuple:
         """What a compiled region stores for ``x`` (a fake tensor while AOTAutograd traces): ``(BITS, ...)``, a
         bool tensor's flags at 1 bit; ``(QUANTIZE, ...)``, the quantize format's buffers and what the decode
-        needs; or ``(KEPT, x)``."""
+        needs (with ``x > 0`` at 1 bit when the backward tests the sign: a ReLU output); or ``(KEPT, x)``."""
         takes = (x.dtype in FLOAT_DTYPES and self.bits is not None) or (x.dtype == torch.bool and self.masks)
         order = memory_order(x) if takes else None
         if order is None or not self.min_numel <= x.numel() <= MAX_NUMEL:
@@ -264,7 +295,10 @@ class GraphHooks:
         if x.dtype == torch.bool:  # lossless: dropout's keep masks, comparisons the backward selects by
             return BITS, pack_codes_traced(dense.reshape(-1).to(torch.uint8), 1), tuple(dense.shape), inverse
         payload, mn, step = encode_traced(dense, self.bits, self.group_size, self.stats_dtype)
-        return QUANTIZE, payload, mn, step, self.bits, self.group_size, x.dtype, tuple(dense.shape), inverse
+        # what ReLU's backward reads of its output, exact at 1 bit (the eager engine's positive_mask)
+        signs = (pack_codes_traced(dense.reshape(-1).gt(0).to(torch.uint8), 1)
+                 if self.masks and backward_tests_sign(_saved_tensor_hook_context()) else None)
+        return QUANTIZE, payload, mn, step, self.bits, self.group_size, x.dtype, tuple(dense.shape), inverse, signs
 
     def codec(self, bits: int):
         return self.compressor.codec("quantize", bits)

@@ -210,6 +210,45 @@ def test_channels_last_convolutions_decode_in_their_memory_order():
     assert len(_compiled_records(compressor)) >= 3
 
 
+@pytest.mark.parametrize("compress_masks", [True, False])
+def test_relu_outputs_keep_their_sign_pattern_exactly(compress_masks):
+    """A ReLU output saved for its values (the next layer's weight gradient) and its sign (ReLU's backward): with
+    ``compress_masks`` its ``x > 0`` goes at 1 bit beside the codes, so ReLU's backward is exact, and the first
+    layer's gradient, which reads only the sign here, is the uncompressed one; without, 2-bit codes round small
+    positives to 0 and drop their gradient."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 4))
+    x = torch.randn(64, 16)
+
+    def first_layer_gradient(step):
+        model.zero_grad(set_to_none=True)
+        step().sum().backward()
+        return model[0].weight.grad.clone()
+
+    reference = first_layer_gradient(lambda: model(x))
+    torch._dynamo.reset()
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=2, adaptive=False, min_numel=1024,
+                                                             compress_masks=compress_masks))
+    gradient = first_layer_gradient(lambda: _compressed(compressor, net)(x))
+    torch._dynamo.reset()
+    exact = torch.allclose(gradient, reference, rtol=1e-4, atol=1e-5)
+    assert exact == compress_masks, (gradient - reference).abs().max()
+    (record,) = [r for r in _compiled_records(compressor) if r.shape.numel() == 64 * 256]
+    codes_and_stats = 64 * 256 * 2 // 8 + 2 * 4 * (64 * 256 // 256)
+    assert record.stored_bytes == codes_and_stats + (64 * 256 // 8 if compress_masks else 0)
+
+
+def test_restored_signs_are_exact_and_move_values_least():
+    values = torch.tensor([0.0, 0.0, 0.5, -0.25, 0.0, 2.0, -0.0, 1e-3])
+    original = torch.tensor([0.0, 1e-6, 0.7, -0.3, -1e-6, 2.0, 0.0, -1e-3])
+    signs = pack_codes_traced(original.gt(0).to(torch.uint8), 1)
+    restored = compiled_regions.restore_signs(values, signs)
+    assert torch.equal(restored > 0, original > 0)
+    tiny = torch.finfo(torch.float32).tiny
+    assert restored.tolist() == [0.0, tiny, 0.5, -0.25, 0.0, 2.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("layout_optimization", [True, False])
 def test_conv_activations_are_grouped_in_the_layout_inductor_gives_them(monkeypatch, layout_optimization):
     """Inductor lays a contiguous conv net's activations out channels_last (its layout optimisation): they are
@@ -224,7 +263,7 @@ def test_conv_activations_are_grouped_in_the_layout_inductor_gives_them(monkeypa
     def spy_pack(self, x):
         packed = pack_traced(self, x)
         if x.dim() == 4 and packed[0] == compiled_regions.QUANTIZE:
-            encoded[compiled_regions._saved_tensor_hook_context()["_node"].name] = packed[-2:]
+            encoded[compiled_regions._saved_tensor_hook_context()["_node"].name] = packed[-3:-1]
         return packed
 
     def spy_find(self):
