@@ -8,7 +8,8 @@
 #    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, host µs per saved tensor;
 #    then bench_torch_path.py --device cuda: each codec's torch path against its kernels (GB/s, how many times);
 # 2. bench_gpu.py, first the rows issue #20 judges (BERT-base and ResNet-50: baseline, L1, 4-bit, 2-bit, CB1, torch
-#    checkpointing), then BERT-base torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing),
+#    checkpointing), then BERT-base and ResNet-50 torch.compile'd (alone, 4-bit inside its graphs, with torch
+#    checkpointing),
 #    then the other models and configurations in the time left.
 # Every report is rewritten as its rows arrive, so a run cut short keeps what it measured. Results go to $OUT (the
 # device tool's folder) or benchmarks/results; copy them into benchmarks/results and commit them.
@@ -32,10 +33,11 @@ core=$(( $(left) / 2 ))
 timeout "$core" python benchmarks/bench_gpu.py --time-budget $(( core - 60 )) --models bert-base resnet50 \
     --configs baseline L1 4-bit "torch checkpoint" CB1 2-bit --out "$out/gpu.md" > "$out/bench_gpu.log" 2>&1
 echo "bench_gpu.py, issue #20's rows: exit $?, $(left) s left"
-# torch.compile'd BERT-base: compressed inside its graphs against the compiled model alone (each compiles first)
+# torch.compile'd BERT-base, then ResNet-50 while time lasts: compressed inside the graphs against the compiled model
+# alone (each configuration compiles first)
 compiled=$(( $(left) * 2 / 3 ))
 if [ "$compiled" -gt 120 ]; then
-    timeout "$compiled" python benchmarks/bench_gpu.py --time-budget $(( compiled - 90 )) --models bert-base \
+    timeout "$compiled" python benchmarks/bench_gpu.py --time-budget $(( compiled - 90 )) --models bert-base resnet50 \
         --configs baseline compiled "compiled, 4-bit" "compiled, torch checkpoint" --out "$out/gpu_compiled.md" \
         > "$out/bench_gpu_compiled.log" 2>&1
     echo "bench_gpu.py, compiled rows: exit $?, $(left) s left"

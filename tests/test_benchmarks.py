@@ -239,6 +239,22 @@ def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     assert rows["compiled, 4-bit"]["ratio"] > 3 and rows["compiled, 4-bit"]["stored_mib"] < rows["baseline"]["stored_mib"]
 
 
+def test_the_gpu_session_script_names_only_models_and_configurations_bench_gpu_has():
+    """gpu_session.sh runs on a lent GPU (rare, minutes): a misspelt name there would cost a whole run."""
+    import shlex
+
+    import bench_gpu
+
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
+    calls = [shlex.split(line, comments=True) for line in script.splitlines() if "benchmarks/bench_gpu.py" in line]
+    assert len(calls) >= 3
+    for words in calls:
+        for flag, known in (("--models", bench_gpu.WORKLOADS), ("--configs", bench_gpu.METHODS)):
+            start = words.index(flag) + 1
+            end = next(i for i in range(start, len(words)) if words[i].startswith(("--", ">")))
+            assert end > start and all(name in known for name in words[start:end]), words[start:end]
+
+
 def test_bench_gpu_writes_every_row_as_it_goes_and_keeps_to_its_time_budget(tmp_path):
     """A run cut short keeps its figures: ``run`` hands the rows so far (with the baseline-relative figures) to
     ``on_row`` after each one; configurations not started by the deadline are listed as not run, and with no

@@ -240,13 +240,31 @@ def test_relu_outputs_keep_their_sign_pattern_exactly(compress_masks):
 
 
 def test_restored_signs_are_exact_and_move_values_least():
-    values = torch.tensor([0.0, 0.0, 0.5, -0.25, 0.0, 2.0, -0.0, 1e-3])
-    original = torch.tensor([0.0, 1e-6, 0.7, -0.3, -1e-6, 2.0, 0.0, -1e-3])
+    values = torch.tensor([0.0, 0.0, 0.5, -0.25, 0.0, 2.0, -0.0, 1e-3, float("nan")])
+    original = torch.tensor([0.0, 1e-6, 0.7, -0.3, -1e-6, 2.0, 0.0, -1e-3, 1.0])
     signs = pack_codes_traced(original.gt(0).to(torch.uint8), 1)
-    restored = compiled_regions.restore_signs(values, signs)
-    assert torch.equal(restored > 0, original > 0)
+    restored = compiled_regions.restore_signs(values.clone(), signs)
     tiny = torch.finfo(torch.float32).tiny
-    assert restored.tolist() == [0.0, tiny, 0.5, -0.25, 0.0, 2.0, 0.0, 0.0]
+    assert restored[:8].tolist() == [0.0, tiny, 0.5, -0.25, 0.0, 2.0, 0.0, 0.0]
+    assert restored[8].isnan()  # a NaN stays NaN
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 13, "two chunks"])
+def test_restored_signs_match_the_originals_for_every_dtype_and_size(dtype, n):
+    from lightning_act.formats.quantize import chunk_elements
+
+    n = 2 * chunk_elements(torch.device("cpu")) + 13 if n == "two chunks" else n
+    torch.manual_seed(0)
+    original = torch.randn(n, dtype=dtype)
+    values = (original * 2).round() / 2  # what a coarse decode leaves: small values at 0, some signs lost
+    signs = pack_codes_traced(original.gt(0).to(torch.uint8), 1)
+    restored = compiled_regions.restore_signs(values.clone(), signs)
+    assert torch.equal(restored > 0, original > 0)
+    kept = (values > 0) == (original > 0)
+    assert torch.equal(restored[kept], values[kept])
+    fixed = torch.zeros_like(values[~kept]).masked_fill_(original[~kept] > 0, torch.finfo(dtype).tiny)
+    assert torch.equal(restored[~kept], fixed)
 
 
 @pytest.mark.parametrize("layout_optimization", [True, False])
