@@ -12,8 +12,9 @@ CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on t
 - ``lorenzo trim``: once the GPU has written a lorenzo payload, the next encode's poll cuts it to its exact size.
 - ``compile``: ``backend="compile"`` (Triton) stores the specification's bytes (run last: compiling takes
   longest).
-- ``compiled model``: a ``torch.compile``'d BERT step compresses inside its graphs (``lightning_act.compiled_regions``),
-  its gradients close to the compiled uncompressed step's.
+- ``compiled model``: a ``torch.compile``'d BERT step, then a small conv net's (channels_last groups, ReLU signs),
+  compress inside their graphs (``lightning_act.compiled_regions``), gradients close to the compiled uncompressed
+  step's.
 - ``side stream``: gradients of a training step with ``side_stream=True`` equal those without, bit for bit.
 - ``step``: a BERT step from a config under bf16 autocast at 4 bits: finite loss, gradients close to the
   uncompressed step's (cosine).
@@ -276,11 +277,32 @@ class Checks:
             return f"loss {compressed_loss} against {loss} uncompressed, or non-finite gradients"
         return None if cosine > 0.9 else f"gradient cosine {cosine:.4f} to the uncompressed step's (want > 0.9)"
 
-    def compiled_model(self) -> str | None:
-        """A torch.compile'd BERT step under bf16 autocast at 4 bits: activations compressed inside its graphs
-        (Triton encode, the codec's decode), gradients close to the compiled uncompressed step's (no dropout:
-        compiled graphs draw their masks in their own order)."""
-        model, loss_fn = self._bert(dropout=0.0)
+    def _conv_net(self, batch: int = 16, size: int = 32):
+        """Two Conv-BN-ReLU blocks and a head, contiguous: inductor lays its activations out channels_last, and
+        each ReLU output is saved for its values and its sign (``compiled_regions``' grouping and signs)."""
+        from torch import nn
+
+        class ConvNet(nn.Module):  # not a bare Sequential: compiled in place, dynamo would take its blocks apart
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                          nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+            def forward(self, x):
+                return self.body(x)
+
+        torch.manual_seed(0)
+        model = ConvNet().to(self.device).train()
+        x = torch.randn(batch, 3, size, size, device=self.device)
+        y = torch.randint(0, 10, (batch,), device=self.device)
+        return model, lambda: nn.functional.cross_entropy(model(x), y)
+
+    def compiled_model(self, build: Callable | None = None) -> str | None:
+        """A torch.compile'd step (``build()``'s model and loss; default BERT) under bf16 autocast at 4 bits:
+        activations compressed inside its graphs (Triton encode, the codec's decode), gradients close to the
+        compiled uncompressed step's (no dropout: compiled graphs draw their masks in their own order)."""
+        model, loss_fn = build() if build is not None else self._bert(dropout=0.0)
         model.compile()
         config = act.ACTConfig(bits=4, adaptive=False)
         try:
@@ -359,6 +381,8 @@ def checks(device: torch.device, only: tuple[str, ...], codecs: tuple[str, ...] 
         plan.append(("compile", f"4-bit, {str(dtype).removeprefix('torch.')}",
                      lambda dtype=dtype: c.compiled(4, dtype)))
     plan.append(("compiled model", "BERT 2x128 torch.compile'd, 4-bit, bf16", c.compiled_model))
+    plan.append(("compiled model", "2 x Conv-BN-ReLU torch.compile'd, 16 x 32², 4-bit, bf16",
+                 lambda: c.compiled_model(c._conv_net)))
     for check, case, fn in plan:
         if not only or check.replace(" ", "-") in only:
             c.run(check, case, fn)

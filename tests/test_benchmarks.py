@@ -305,9 +305,12 @@ def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes
     # the compiled-model check's code path on a 1-layer BERT (its 2 layers take a minute to compile on CPU)
     monkeypatch.setattr(checks, "_bert", functools.partial(checks._bert, layers=1, hidden=64, seq=16))
     checks.run("compiled model", "BERT", checks.compiled_model)
-    assert [r["status"] for r in checks.rows] == ["ok", "ok", "ok", "ok", "skipped", "ok"], checks.rows
+    checks.run("compiled model", "conv net", lambda: checks.compiled_model(
+        functools.partial(checks._conv_net, batch=8, size=16)))
+    assert [r["status"] for r in checks.rows] == ["ok", "ok", "ok", "ok", "skipped", "ok", "ok"], checks.rows
     assert checks.rows[3]["detail"].startswith("gradient cosine 0.9")
     assert checks.rows[5]["detail"].startswith("gradient cosine 0.9")
+    assert checks.rows[6]["detail"].startswith("gradient cosine 0.9")
 
     encode = cuda_quantize.QuantizeKernels.encode
 
