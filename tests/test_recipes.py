@@ -3,6 +3,7 @@ written with ``act/`` tags, ``--help`` documented."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_act import datasets
 from lightning_act.models import GNN_MODELS
@@ -115,6 +116,26 @@ def test_cnn_recipe_on_digits(tmp_path, capsys, codec):
     assert {"act/compression_ratio", "act/tensor_ratio"} <= _tags(tmp_path / "compressed")
     if codec == "lorenzo":
         assert any(tag.startswith("act/error_bound/") for tag in _tags(tmp_path / "compressed"))
+
+
+def test_cnn_recipe_compiled_compresses_inside_the_graphs(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    import cnn_image_classification
+
+    from lightning_act import compiled_regions
+
+    if not torch._dynamo.is_dynamo_supported() or not compiled_regions.supported():
+        pytest.skip("torch.compile with inlined saved-tensor hooks unsupported here")
+    try:
+        baseline, compressed = cnn_image_classification.main(
+            [*CNN_SMOKE, "--dataset", "digits", "--compile", "--logdir", str(tmp_path)])
+    finally:
+        torch._dynamo.reset()
+    out = capsys.readouterr().out
+    _check_summary(out, baseline, compressed)
+    assert "torch.compile" in out
+    inside = [r for r in compressed.stats.records if r.phase == "compiled"]
+    assert inside and {(r.codec, r.bits) for r in inside} <= {("quantize", 4.0), ("bitmask", 1.0)}
 
 
 def test_cnn_recipe_rejects_a_bad_config_before_training():
