@@ -22,9 +22,10 @@ Inside compiled regions float tensors are stored in the quantize format (``forma
 in the graph, so it is not the eager path's keyed stream. Bool tensors (dropout's keep masks, the comparisons a
 backward selects by) are packed at 1 bit, losslessly, when ``compress_masks`` is on (``unpack_mask`` decodes
 them); so is the sign of a float tensor whose backward compares it with 0 (a ReLU output the next layer also
-saves), beside its codes, and the decode restores it exactly (:func:`restore_signs`). Kept as they are there: float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits``
-16/32), integer tensors, tensors under ``min_numel`` elements or not dense in memory, and what AOTAutograd does
-not hand to the hooks (inputs, parameters, outputs of the region).
+saves), beside its codes, and the decode restores it exactly (:func:`restore_signs`). Kept as they are there:
+float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits`` 16/32), integer tensors, tensors under
+``min_numel`` elements or not dense in memory, and what AOTAutograd does not hand to the hooks (inputs,
+parameters, outputs of the region).
 """
 from __future__ import annotations
 
@@ -78,14 +79,14 @@ def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 CHANNELS_LAST_ORDER = (0, 2, 3, 1)
-# forward graph -> the nodes inductor stores channels_last (empty when it keeps the traced layouts)
-_CHANNELS_LAST_NODES: weakref.WeakKeyDictionary[torch.fx.Graph, frozenset] = weakref.WeakKeyDictionary()
+# forward graph -> the names of the nodes inductor stores channels_last (names: nodes would keep the graph alive)
+_CHANNELS_LAST_NODES: weakref.WeakKeyDictionary[torch.fx.Graph, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
-def channels_last_nodes(graph: torch.fx.Graph) -> frozenset:
-    """The 4-d nodes of the forward ``graph`` whose buffers inductor lays out channels_last: with its layout
-    optimisation on (every graph with convolutions on CPU, most conv nets on CUDA), the convolutions and the ops
-    around them. Inductor's own rules (``GraphLowering.decide_layout_opt``, ``find_nodes_prefer_channels_last``)
+def channels_last_nodes(graph: torch.fx.Graph) -> frozenset[str]:
+    """The names of the 4-d nodes of the forward ``graph`` whose buffers inductor lays out channels_last: with its
+    layout optimisation on (every graph with convolutions on CPU, most conv nets on CUDA), the convolutions and the
+    ops around them. Inductor's own rules (``GraphLowering.decide_layout_opt``, ``find_nodes_prefer_channels_last``)
     on the graph it is handed; empty where they cannot run (a torch without them)."""
     found = _CHANNELS_LAST_NODES.get(graph)
     if found is None:
@@ -93,8 +94,9 @@ def channels_last_nodes(graph: torch.fx.Graph) -> frozenset:
 
         module = SimpleNamespace(graph=graph)
         try:
-            found = frozenset(GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=module))
-                              if GraphLowering.decide_layout_opt(module, is_inference=False) else ())
+            found = frozenset(node.name for node in (
+                GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=module))
+                if GraphLowering.decide_layout_opt(module, is_inference=False) else ()))
         except (AttributeError, TypeError, KeyError):  # another torch's internals: the traced layouts
             found = frozenset()
         _CHANNELS_LAST_NODES[graph] = found
@@ -120,7 +122,8 @@ def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
     if order is None or x.dim() != 4:
         return order
     context = _saved_tensor_hook_context()
-    if context is not None and context.get("_node") in channels_last_nodes(context["_fw_graph"]):
+    node = context.get("_node") if context is not None else None
+    if node is not None and node.name in channels_last_nodes(context["_fw_graph"]):
         return CHANNELS_LAST_ORDER
     return order
 
