@@ -40,11 +40,12 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
 from torch._subclasses.fake_tensor import is_fake
 
+from .codecs._chunks import chunk_elements, spans
 from .codecs.base import Packed
 from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, unpack_bits, unpack_rows
 from .formats.compiled import quantize_groups
 from .formats.floats import FLOAT_DTYPES
-from .formats.quantize import STATS_DTYPES, chunk_elements
+from .formats.quantize import STATS_DTYPES
 from .stats import COMPRESSED, TensorRecord
 
 if TYPE_CHECKING:
@@ -112,16 +113,15 @@ def _saved_tensor_hook_context() -> dict | None:
     return get() if get is not None else None
 
 
-def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
-    """The order of dims in which the buffer inductor makes for the saved tensor ``x`` (traced, fake) is
-    contiguous, or None when ``x`` is not dense. Its traced strides, unless inductor lays it out channels_last
-    (:func:`channels_last_nodes`): groups of the quantize format are then runs of that memory, read and written
-    in order (groups across the traced strides cost a transposed read and a gathered pack, about twice the
-    encode's time in a compiled ResNet-50's forward)."""
+def memory_order(x: torch.Tensor, context: dict | None) -> tuple[int, ...] | None:
+    """The order of dims in which the buffer inductor makes for the saved tensor ``x`` (traced, fake; ``context``:
+    :func:`_saved_tensor_hook_context`) is contiguous, or None when ``x`` is not dense. Its traced strides, unless
+    inductor lays it out channels_last (:func:`channels_last_nodes`): groups of the quantize format are then runs
+    of that memory, read and written in order (groups across the traced strides cost a transposed read and a
+    gathered pack, about twice the encode's time in a compiled ResNet-50's forward)."""
     order = dense_order(x)
     if order is None or x.dim() != 4:
         return order
-    context = _saved_tensor_hook_context()
     node = context.get("_node") if context is not None else None
     if node is not None and node.name in channels_last_nodes(context["_fw_graph"]):
         return CHANNELS_LAST_ORDER
@@ -186,12 +186,11 @@ def restore_signs(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         bounds = _SIGN_BOUNDS[key] = tuple(  # filled in the dtype: float64's smallest normal is 0 in float32
             torch.full(positive.shape, other, dtype=values.dtype, device=values.device).masked_fill_(positive, bound)
             for other, bound in ((-math.inf, torch.finfo(values.dtype).tiny), (0.0, math.inf)))
-    chunk = chunk_elements(values.device)  # a multiple of 8: each chunk starts on a byte of signs
-    for start in range(0, values.numel(), chunk):
-        part = values[start:start + chunk]
-        n = part.numel()
-        codes = signs[start // 8:(start + n + 7) // 8]
-        torch.clamp(part, *(unpack_rows(codes, n, (-1,), table) for table in bounds), out=part)
+    # chunk_elements is a multiple of 8: each chunk starts on a byte of signs
+    for start, end in spans(values.numel(), chunk_elements(values.device)):
+        part = values[start:end]
+        codes = signs[start // 8:(end + 7) // 8]
+        torch.clamp(part, *(unpack_rows(codes, end - start, (-1,), table) for table in bounds), out=part)
     return values
 
 
@@ -308,7 +307,8 @@ class GraphHooks:
         bool tensor's flags at 1 bit; ``(QUANTIZE, ...)``, the quantize format's buffers and what the decode
         needs (with ``x > 0`` at 1 bit when the backward tests the sign: a ReLU output); or ``(KEPT, x)``."""
         takes = (x.dtype in FLOAT_DTYPES and self.bits is not None) or (x.dtype == torch.bool and self.masks)
-        order = memory_order(x) if takes else None
+        context = _saved_tensor_hook_context()
+        order = memory_order(x, context) if takes else None
         if order is None or not self.min_numel <= x.numel() <= MAX_NUMEL:
             return KEPT, x
         inverse = None if order == tuple(range(x.dim())) else tuple(sorted(range(x.dim()), key=order.__getitem__))
@@ -318,7 +318,7 @@ class GraphHooks:
         payload, mn, step = encode_traced(dense, self.bits, self.group_size, self.stats_dtype)
         # what ReLU's backward reads of its output, exact at 1 bit (the eager engine's positive_mask)
         signs = (pack_codes_traced(dense.reshape(-1).gt(0).to(torch.uint8), 1)
-                 if self.masks and backward_tests_sign(_saved_tensor_hook_context()) else None)
+                 if self.masks and backward_tests_sign(context) else None)
         return QUANTIZE, payload, mn, step, self.bits, self.group_size, x.dtype, tuple(dense.shape), inverse, signs
 
     def codec(self, bits: int):
