@@ -75,6 +75,24 @@ def has_compiled_parts(model: torch.nn.Module) -> bool:
                or getattr(m, "_compiler_ctx", None) is not None for m in model.modules())
 
 
+def compiled_wrapper(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost ``torch.compile`` wrapper (``OptimizedModule``) among ``model`` and the modules its data-parallel
+    wrappers (DDP, ``DataParallel``, FSDP1) hold, or None. What a trainer calls when it compiled the model from
+    outside (``TrainingArguments(torch_compile=True)``, Accelerate's ``dynamo_backend``): the module it wraps does
+    not know, so a compressor built on that module would not compress inside the compiled graphs."""
+    optimized = getattr(torch._dynamo, "OptimizedModule", ())
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        parallel += (FullyShardedDataParallel,)
+    while not isinstance(model, optimized):
+        if not isinstance(model, parallel):
+            return None
+        model = model.module
+    return model
+
+
 class CompiledRegions:
     """A model with compiled parts gets the hooks compiled graphs inline (:mod:`lightning_act.compiled_regions`),
     or a warning where its saved tensors cannot be compressed inside them."""

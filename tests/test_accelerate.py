@@ -1,6 +1,7 @@
 """Accelerate: the context API and ``compress_forward`` with bf16 mixed precision, gradient accumulation and two
 CPU processes. ``accelerate launch --cpu --num_processes 2`` starts one process (its multi-CPU path needs MPI):
 torchrun starts two, and ``Accelerator(cpu=True)`` picks up its environment (gloo DDP)."""
+import contextlib
 import json
 import os
 import socket
@@ -19,7 +20,7 @@ from lightning_act.engine import active_compressor
 accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState  # noqa: E402
 
-from lightning_act.integrations import compress_forward, unpatch  # noqa: E402
+from lightning_act.integrations import compress_forward, compressed_module, unpatch  # noqa: E402
 from tests.accelerate_models import mlp, random_batches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +105,31 @@ def test_patch_errors():
     with pytest.raises(ValueError, match="Sequential is already patched by compress_forward; call unpatch"):
         compress_forward(model)
     unpatch(model)
+
+
+@pytest.mark.parametrize("api", ["context", "patch"])
+def test_a_model_compiled_from_outside_is_compressed_inside_its_graphs(api):
+    """``Accelerator(dynamo_backend=...)`` compiles the prepared model, DDP wrapper and all, from outside: the
+    compressor is built on the compile wrapper (so its graphs compress what they save) and the wrapper inside it
+    stays in place (``DataParallel`` standing in for DDP on one CPU process)."""
+    accelerator = accelerate.Accelerator(cpu=True, dynamo_backend="inductor")
+    model = accelerator.prepare(nn.DataParallel(mlp()))
+    parallel = model._orig_mod
+    assert isinstance(parallel, nn.DataParallel)
+    config = act.ACTConfig(bits=4, adaptive=False, min_numel=1)
+    compressor = (compress_forward(model, config) if api == "patch"
+                  else act.ActivationCompressor(compressed_module(model), config))
+    assert compressor.model is model and compressor.graph_hooks is not None and model._orig_mod is parallel
+    x, y = random_batches(1)[0]
+    with compressor.compress() if api == "context" else contextlib.nullcontext():
+        loss = nn.functional.cross_entropy(model(x), y)
+    accelerator.backward(loss)
+    # the hidden activations, saved inside the compiled graph (the loss outside it runs the eager hooks)
+    hidden = [r for r in compressor.stats().records if r.shape.numel() == 16 * 512]
+    assert len(hidden) >= 2 and {(r.phase, r.codec, r.bits) for r in hidden} == {("compiled", "quantize", 4.0)}
+    if api == "patch":
+        unpatch(model)
+    torch._dynamo.reset()
 
 
 _TWO_PROCESS_SCRIPT = """

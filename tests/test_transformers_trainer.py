@@ -59,6 +59,20 @@ def test_training_steps_compressed_and_logged(tmp_path, extra):
     assert last["act/codec/quantize/ratio"] > 3
 
 
+def test_a_model_the_trainer_compiles_is_compressed_inside_its_graphs(tmp_path):
+    """``TrainingArguments(torch_compile=True)``: the Trainer compiles the model from outside, and the compressor is
+    built on that wrapper, so the compiled graphs compress what they save."""
+    trainer = _trainer(tmp_path, torch_compile=True)
+    trainer.train()
+    compressor = trainer.compressor
+    assert compressor.model is trainer.model_wrapped and compressor.model._orig_mod is trainer.model
+    assert compressor.graph_hooks is not None
+    records = [r for r in compressor.stats().records if r.shape.numel() == 4 * 32 * 128]  # the FFN activations
+    assert len(records) >= 2 and {(r.phase, r.codec, r.bits) for r in records} == {("compiled", "quantize", 4.0)}
+    assert _act_logs(trainer)[-1]["act/compression_ratio"] > 3
+    torch._dynamo.reset()
+
+
 def test_evaluation_is_not_compressed(tmp_path):
     trainer = _trainer(tmp_path)
     metrics = trainer.evaluate()

@@ -3,7 +3,9 @@
 Importing this package imports none of them: each name below loads its module on first use, and a missing
 library raises ``ImportError`` with the install command.
 
-- ``compress_forward(model, config)`` / ``unpatch(model)``: Accelerate (or any loop), patch a model's forward
+- ``compress_forward(model, config)`` / ``unpatch(model)``: Accelerate (or any loop), patch a model's forward;
+  ``compressed_module(model)``: what to build a compressor on for a prepared model (its ``torch.compile`` wrapper
+  where Accelerate compiled it, else the module inside DDP/FSDP)
 - ``ACTTrainer`` / ``ACTTrainerMixin`` / ``CompressionCallback``: HuggingFace ``Trainer`` with compression;
   ``checkpointing_args(True)``: the ``TrainingArguments`` keyword for HF gradient checkpointing in any version
 - ``LayerStats``: per-layer statistics (GNN layers by default) by module hooks
@@ -17,7 +19,7 @@ import importlib.util
 from typing import Any
 
 _EXPORTS = {
-    "compress_forward": "accelerate", "unpatch": "accelerate",
+    "compress_forward": "accelerate", "unpatch": "accelerate", "compressed_module": "accelerate",
     "ACTTrainer": "transformers", "ACTTrainerMixin": "transformers", "CompressionCallback": "transformers",
     "checkpointing_args": "transformers",
     "LayerStats": "pyg", "fuse_gcn": "pyg", "unfuse_gcn": "pyg",

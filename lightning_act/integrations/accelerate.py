@@ -1,8 +1,9 @@
 """Accelerate: compress a prepared model's activations with one call.
 
-Accelerate has no plugin point for this. Either put the context around the forward::
+Accelerate has no plugin point for this. Either put the context around the forward (``compressed_module`` picks
+the module to compress: see there)::
 
-    compressor = act.ActivationCompressor(accelerator.unwrap_model(model), act.ACTConfig(bits=4))
+    compressor = act.ActivationCompressor(compressed_module(model), act.ACTConfig(bits=4))
     with accelerator.accumulate(model):
         with compressor.compress():
             loss = model(**batch).loss
@@ -28,18 +29,25 @@ from torch import nn
 
 from ..config import ACTConfig
 from ..engine import ActivationCompressor, active_compressor
+from ..model_prep import compiled_wrapper
 
-# instance attribute holding the compressor of a patched module; its presence marks the module as patched
+# instance attribute holding the compressor of a patched module; its presence marks the module as patched (both
+# attributes go in the module's own __dict__: a compile wrapper's setattr would pass them to the module it wraps)
 _COMPRESSOR_ATTR = "_lightning_act_compressor"
 # instance attribute holding the forward that was an instance attribute before patching (Accelerate's autocast)
 _ORIGINAL_ATTR = "_lightning_act_original_forward"
 
 
-def _innermost(model: nn.Module) -> nn.Module:
-    """The module inside DDP/FSDP/``torch.compile`` wrappers (what ``accelerator.unwrap_model`` returns)."""
+def compressed_module(model: nn.Module) -> nn.Module:
+    """The module to build the compressor on, and whose forward :func:`compress_forward` patches, for ``model`` as
+    ``accelerator.prepare`` returned it: the ``torch.compile`` wrapper where Accelerate compiled the model
+    (``dynamo_backend``: the compressor must know that compiled graphs run, and ``compress()`` must open outside
+    them), else the module inside the DDP/FSDP wrappers. Nothing is rewired (``accelerator.unwrap_model`` keeping
+    the compile wrapper points it past DDP, at the module inside)."""
     from accelerate.utils import extract_model_from_parallel
 
-    return extract_model_from_parallel(model, keep_fp32_wrapper=True)
+    compiled = compiled_wrapper(model)  # (not `or`: a module's truth is its len() where it has one)
+    return compiled if compiled is not None else extract_model_from_parallel(model, keep_torch_compile=False)
 
 
 def compress_forward(model: nn.Module, config: ACTConfig | str | dict | ActivationCompressor | None = None
@@ -48,7 +56,7 @@ def compress_forward(model: nn.Module, config: ACTConfig | str | dict | Activati
     ``compressor.compress()``; returns the compressor (``.stats()`` is the last step's). ``config`` is an
     ``ACTConfig``, a level name, a dict of fields, or a ready ``ActivationCompressor``. Undo with
     :func:`unpatch`."""
-    module = _innermost(model)
+    module = compressed_module(model)
     if _COMPRESSOR_ATTR in module.__dict__:
         raise ValueError(f"{type(module).__name__} is already patched by compress_forward; call unpatch(model) first")
     compressor = config if isinstance(config, ActivationCompressor) else ActivationCompressor(module, config)
@@ -59,7 +67,7 @@ def compress_forward(model: nn.Module, config: ACTConfig | str | dict | Activati
             "budget).plan(forward_backward_fn) once before training (compressor = compress_forward(...))",
             stacklevel=2)
     if "forward" in module.__dict__:
-        setattr(module, _ORIGINAL_ATTR, module.__dict__["forward"])
+        module.__dict__[_ORIGINAL_ATTR] = module.__dict__["forward"]
     inner_forward = module.forward
 
     @functools.wraps(inner_forward)
@@ -71,13 +79,13 @@ def compress_forward(model: nn.Module, config: ACTConfig | str | dict | Activati
             return inner_forward(*args, **kwargs)
 
     module.forward = forward
-    setattr(module, _COMPRESSOR_ATTR, compressor)
+    module.__dict__[_COMPRESSOR_ATTR] = compressor
     return compressor
 
 
 def unpatch(model: nn.Module) -> ActivationCompressor:
     """Restore the forward :func:`compress_forward` patched; returns the compressor it used."""
-    module = _innermost(model)
+    module = compressed_module(model)
     compressor = module.__dict__.pop(_COMPRESSOR_ATTR, None)
     if compressor is None:
         raise ValueError(f"{type(module).__name__} is not patched by compress_forward; nothing to unpatch")

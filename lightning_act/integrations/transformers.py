@@ -44,6 +44,7 @@ from ..adapt.memory_budget import MemoryBudget
 from ..config import ACTConfig, resolve_config
 from ..engine import ActivationCompressor
 from ..metrics import step_metrics
+from ..model_prep import compiled_wrapper
 
 _CHECKPOINTING_ARG = ("activation_checkpointing"
                       if "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -133,9 +134,13 @@ class ACTTrainerMixin:
 
     @property
     def compressor(self) -> ActivationCompressor:
-        """The compressor of the current model (rebuilt when ``model_init`` replaces the model)."""
-        if self._compressor is None or self._compressor.model is not self.model:
-            self._compressor = ActivationCompressor(self.model, self.act_config)
+        """The compressor of the current model (rebuilt when ``model_init`` replaces the model). Built on the
+        ``torch.compile`` wrapper the Trainer runs the model in (``TrainingArguments(torch_compile=True)``), so that
+        the compiled graphs compress their activations inside them (:mod:`lightning_act.compiled_regions`)."""
+        model = compiled_wrapper(self.model_wrapped)
+        model = self.model if model is None else model
+        if self._compressor is None or self._compressor.model is not model:
+            self._compressor = ActivationCompressor(model, self.act_config)
             if self._compression_callback is not None:
                 self._compression_callback.compressor = self._compressor
             if self.auto_precision is not None:
