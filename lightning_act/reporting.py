@@ -1,6 +1,7 @@
 """Baseline-vs-compressed reporting, as the recipes and benchmarks print it: one ``RunResult`` per training run
 (accuracy, per-step wall times, the compressed run's statistics), step timing (``StepClock`` around any step,
-``StepTimer`` for Lightning's training batches) and ``summary_table``, the Markdown table that compares two runs."""
+``StepTimer`` for Lightning's training batches), ``summary_table``, the Markdown table that compares two runs, and
+``training_device`` for the recipes' ``--device`` option."""
 from __future__ import annotations
 
 import statistics
@@ -8,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import lightning as L
+import torch
 
 from .stats import CompressionStats
 
@@ -27,17 +29,39 @@ class RunResult:
         return statistics.median(times) if times else float("nan")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def training_device(choice: str) -> torch.device:
+    """The device a recipe trains on for its ``--device`` option: ``auto`` is the GPU where CUDA is available."""
+    if choice not in DEVICES:
+        raise ValueError(f"device={choice!r}; expected one of {', '.join(DEVICES)}")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device='cuda', but this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    return torch.device(choice)
+
+
+def _synchronize() -> None:
+    """Wait for the work queued on the GPU, if any: a GPU step's wall time is its kernels', not their launches'."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class StepClock:
     """``with clock: step()`` (or ``clock.start()`` ... ``clock.stop()``) appends the step's wall time to
-    ``clock.times``."""
+    ``clock.times`` (on a GPU, from the end of the work queued before it to the end of its own)."""
 
     def __init__(self):
         self.times: list[float] = []
 
     def start(self) -> None:
+        _synchronize()
         self._start = time.perf_counter()
 
     def stop(self) -> None:
+        _synchronize()
         self.times.append(time.perf_counter() - self._start)
 
     def __enter__(self):

@@ -6,8 +6,10 @@ One process on CPU (the default) or several (``Accelerator`` reads torchrun's en
     python recipes/accelerate_example.py [--mixed-precision bf16] [--grad-accum 2] [--api patch]
     torchrun --nproc_per_node 2 recipes/accelerate_example.py --epochs 2
 
-``--api context`` puts ``compressor.compress()`` around each forward; ``--api patch`` calls
-``lightning_act.integrations.compress_forward(model)`` once after ``accelerator.prepare``. Prints the
+``--api context`` puts ``compressor.compress()`` around each forward (the compressor built on
+``lightning_act.integrations.compressed_module(model)``); ``--api patch`` calls
+``lightning_act.integrations.compress_forward(model)`` once after ``accelerator.prepare``. ``--compile`` has
+Accelerate compile the model; the compressed run then quantizes inside the compiled graphs. Prints the
 baseline-vs-compressed summary (accuracy, activation bytes, ratio, step-time ratio) on the main process and
 writes TensorBoard logs (``act/`` scalars and histograms) under ``--logdir``.
 """
@@ -22,7 +24,7 @@ from torch import nn
 
 import lightning_act as act
 from lightning_act.datasets import digits_loaders
-from lightning_act.integrations import compress_forward, unpatch
+from lightning_act.integrations import compress_forward, compressed_module, unpatch
 from lightning_act.metrics import write_stats
 from lightning_act.models import DigitsCNN
 from lightning_act.reporting import RunResult, StepClock, summary_table
@@ -33,7 +35,8 @@ def train(args, compress: bool) -> RunResult:
     from accelerate.utils import set_seed
 
     accelerator = Accelerator(cpu=args.cpu, mixed_precision=args.mixed_precision,
-                              gradient_accumulation_steps=args.grad_accum)
+                              gradient_accumulation_steps=args.grad_accum,
+                              dynamo_backend="inductor" if args.compile else "no")
     set_seed(args.seed)
     model = DigitsCNN().net
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -44,7 +47,7 @@ def train(args, compress: bool) -> RunResult:
     if compress and args.api == "patch":
         compressor = compress_forward(model, act.ACTConfig(bits=args.bits))
     elif compress:
-        compressor = act.ActivationCompressor(accelerator.unwrap_model(model), act.ACTConfig(bits=args.bits))
+        compressor = act.ActivationCompressor(compressed_module(model), act.ACTConfig(bits=args.bits))
     writer = _writer(args.logdir, "compressed" if compress else "baseline") if accelerator.is_main_process else None
 
     clock, step = StepClock(), 0
@@ -103,6 +106,9 @@ def parse_args(argv=None):
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--api", choices=("context", "patch"), default="context",
                         help="compressor.compress() around the forward, or compress_forward(model) once")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the prepared model (Accelerate's dynamo_backend) in both runs; the compressed "
+                        "run quantizes inside the compiled graphs")
     parser.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=True,
                         help="train on CPU even when a GPU is present (default: on)")
     parser.add_argument("--logdir", default="runs/accelerate", help="TensorBoard log directory")
@@ -118,7 +124,8 @@ def main(argv=None) -> tuple[RunResult, RunResult]:
 
     if PartialState().is_main_process:
         title = (f"Digits CNN with Accelerate ({PartialState().num_processes} process(es), mixed precision "
-                 f"{args.mixed_precision}, accumulation {args.grad_accum}, api {args.api}), {args.bits}-bit")
+                 f"{args.mixed_precision}, accumulation {args.grad_accum}, api {args.api}"
+                 f"{', torch.compile' if args.compile else ''}), {args.bits}-bit")
         print(summary_table(title, baseline, compressed))
     return baseline, compressed
 

@@ -75,7 +75,8 @@ def train(args, compress: bool, loaders, in_channels: int, classes: int) -> RunR
         if args.error_bound_callback:
             callbacks.append(act.callbacks.ErrorBoundCallback(interval=args.error_bound_interval))
     trainer = L.Trainer(
-        strategy=strategy, accelerator=args.accelerator, max_epochs=args.epochs, max_steps=args.max_steps,
+        strategy=strategy, accelerator=args.accelerator, precision=args.precision, max_epochs=args.epochs,
+        max_steps=args.max_steps,
         limit_val_batches=args.limit_val_batches, callbacks=callbacks, enable_checkpointing=False,
         logger=TensorBoardLogger(args.logdir, name="compressed" if compress else "baseline", version=0),
         log_every_n_steps=args.log_every_n_steps, enable_progress_bar=args.progress_bar, enable_model_summary=False)
@@ -107,7 +108,9 @@ def parse_args(argv=None):
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model in both runs: the compressed run quantizes inside the compiled "
                         "graphs, at --bits for every tensor (no auto-precision there)")
-    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--accelerator", default="auto", help="Lightning's accelerator (auto: the GPU if there is one)")
+    parser.add_argument("--precision", default="32-true",
+                        help="Lightning's precision, e.g. bf16-mixed (bfloat16 autocast)")
     parser.add_argument("--log-every-n-steps", type=int, default=10)
     parser.add_argument("--progress-bar", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--logdir", default="runs/cnn", help="TensorBoard log directory")
@@ -126,7 +129,8 @@ def main(argv=None) -> tuple[RunResult, RunResult]:
     compressed = train(args, True, loaders, x.shape[1], classes)
     what = f"{args.bits}-bit quantize" if args.codec == "quantize" else args.codec
     title = (f"ResNet-8 (width {args.width}{', torch.compile' if args.compile else ''}) on {args.dataset} "
-             f"({len(y)} images {tuple(x.shape[1:])}), {args.epochs} epochs, batch {args.batch_size}: baseline vs "
+             f"({len(y)} images {tuple(x.shape[1:])}), {args.epochs} epochs, batch {args.batch_size}, precision "
+             f"{args.precision}: baseline vs "
              f"{args.level} {what}")
     print(summary_table(title, baseline, compressed))
     return baseline, compressed

