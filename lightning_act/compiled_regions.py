@@ -23,9 +23,10 @@ in the graph, so it is not the eager path's keyed stream. Bool tensors (dropout'
 backward selects by) are packed at 1 bit, losslessly, when ``compress_masks`` is on (``unpack_mask`` decodes
 them); so is the sign of a float tensor whose backward compares it with 0 (a ReLU output the next layer also
 saves), beside its codes, and the decode restores it exactly (:func:`restore_signs`). Kept as they are there:
-float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits`` 16/32), integer tensors, tensors under
-``min_numel`` elements or not dense in memory, and what AOTAutograd does not hand to the hooks (inputs,
-parameters, outputs of the region).
+float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits`` 16/32), attention masks the backward
+reads (SDPA's additive 0 / -inf mask: exact, as in eager code), integer tensors, tensors under ``min_numel``
+elements or not dense in memory, and what AOTAutograd does not hand to the hooks (inputs, parameters, outputs of
+the region).
 """
 from __future__ import annotations
 
@@ -199,16 +200,48 @@ _SIGN_TESTS = {torch.ops.aten.le.Scalar: (0, 1), torch.ops.aten.gt.Scalar: (0, 1
                torch.ops.aten.threshold_backward.default: (1, 2)}
 
 
+def _backward_placeholder(context: dict | None) -> torch.fx.Node | None:
+    """The backward graph's input node of the saved tensor the pack hook's ``context`` is about, or None where
+    this torch tells nothing."""
+    if context is None or "_bw_graph" not in context:
+        return None
+    name = context["_node"].name  # the backward's placeholder of a saved tensor has its forward node's name
+    return next((p for p in context["_bw_graph"].find_nodes(op="placeholder") if p.name == name), None)
+
+
 def backward_tests_sign(context: dict | None) -> bool:
     """Whether the backward graph of the pack hook's ``context`` compares the saved tensor with 0 (ReLU's
     ``threshold_backward``, decomposed to ``le(x, 0)``)."""
-    if context is None or "_bw_graph" not in context:
-        return False
-    name = context["_node"].name  # the backward's placeholder of a saved tensor has its forward node's name
-    for placeholder in context["_bw_graph"].find_nodes(op="placeholder"):
-        if placeholder.name == name:
-            return any(user.target in _SIGN_TESTS and user.args[_SIGN_TESTS[user.target][0]] is placeholder
-                       and user.args[_SIGN_TESTS[user.target][1]] == 0 for user in placeholder.users)
+    placeholder = _backward_placeholder(context)
+    return placeholder is not None and any(
+        user.target in _SIGN_TESTS and user.args[_SIGN_TESTS[user.target][0]] is placeholder
+        and user.args[_SIGN_TESTS[user.target][1]] == 0 for user in placeholder.users)
+
+
+# the arguments of SDPA's backward kernels (flash for CPU, efficient, cuDNN, ...) that take the attention mask
+_MASK_ARGUMENTS = frozenset({"attn_mask", "attn_bias"})
+_VIEWS_OF_INPUTS = frozenset({torch.ops.aten.expand.default, torch.ops.aten.view.default,
+                              torch.ops.aten.reshape.default, torch.ops.aten.permute.default,
+                              torch.ops.aten.alias.default})
+
+
+def backward_reads_as_attention_mask(context: dict | None) -> bool:
+    """Whether the backward graph of the pack hook's ``context`` passes the saved tensor (or a view of it) to an
+    attention kernel as its mask. An additive mask holds -inf or the dtype's lowest value beside zeros: no
+    quantization grid keeps both (a group with -inf decodes to NaN, one with -3.4e38 moves its zeros by ~1e36),
+    so it is kept exact, as the eager engine's SDPA rule keeps it."""
+    placeholder = _backward_placeholder(context)
+    nodes = [placeholder] if placeholder is not None else []
+    for node in nodes:  # grows while it is walked: views of views
+        for user in node.users:
+            if user.target in _VIEWS_OF_INPUTS:
+                nodes.append(user)
+            elif isinstance(user.target, torch._ops.OpOverload):
+                schema = user.target._schema.arguments
+                named = [a.name for a, v in zip(schema, user.args) if v is node]
+                named += [name for name, v in user.kwargs.items() if v is node]
+                if _MASK_ARGUMENTS.intersection(named):
+                    return True
     return False
 
 
@@ -309,7 +342,8 @@ class GraphHooks:
         takes = (x.dtype in FLOAT_DTYPES and self.bits is not None) or (x.dtype == torch.bool and self.masks)
         context = _saved_tensor_hook_context()
         order = memory_order(x, context) if takes else None
-        if order is None or not self.min_numel <= x.numel() <= MAX_NUMEL:
+        if (order is None or not self.min_numel <= x.numel() <= MAX_NUMEL
+                or (x.dtype != torch.bool and backward_reads_as_attention_mask(context))):
             return KEPT, x
         inverse = None if order == tuple(range(x.dim())) else tuple(sorted(range(x.dim()), key=order.__getitem__))
         dense = x if inverse is None else x.permute(order)

@@ -197,6 +197,33 @@ def test_eager_code_between_compiled_graphs_runs_the_engine():
     assert phases == {"forward", "compiled"}
 
 
+def test_an_attention_mask_the_backward_reads_is_kept_exact():
+    """A padded batch through HF BERT's SDPA attention: the backward reads the additive mask (0 and -inf).
+    Quantized, its groups would decode to NaN, and every gradient with them."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    model = transformers.BertForSequenceClassification(cfg).train()
+    ids, labels = torch.randint(1, 200, (4, 32)), torch.randint(0, 2, (4,))
+    mask = torch.ones(4, 32, dtype=torch.long)
+    mask[1, 20:] = 0
+    reference = _gradients(model, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+    with compressor.compress():
+        loss = net(input_ids=ids, attention_mask=mask, labels=labels).loss
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.isfinite(grads).all()
+    assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.999
+    records = _compiled_records(compressor)
+    assert len(records) >= 8 and all(r.shape.numel() != 4 * 32 * 32 for r in records)  # the mask: kept
+    torch._dynamo.reset()
+
+
 def test_channels_last_convolutions_decode_in_their_memory_order():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 3, padding=1), nn.GELU(),
