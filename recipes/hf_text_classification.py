@@ -18,9 +18,11 @@ Trains on the GPU where CUDA is available (``--device``). ``--compile`` compiles
 Prints the baseline-vs-compressed summary (accuracy, activation bytes, ratio, step-time ratio); both runs
 report to TensorBoard under ``--logdir`` (the compressed run's ``act/`` scalars appear as ``train/act/...``).
 
-``--strategy act_fsdp`` trains with Lightning and FSDP2 instead, on ``--devices`` CPU processes (gloo): the
-baseline with Lightning's ``ModelParallelStrategy``, the compressed run with ``strategy="act_fsdp"``, both
-sharding each encoder layer and then the rest of the model (``lightning_act.fsdp.shard_blocks``).
+``--strategy act_fsdp`` trains with Lightning and FSDP2 instead, on ``--devices`` processes (GPUs with NCCL where
+``--device`` is the GPU, else CPU processes with gloo): the baseline with Lightning's ``ModelParallelStrategy``,
+the compressed run with ``strategy="act_fsdp"``, both sharding each encoder layer and then the rest of the model
+(``lightning_act.fsdp.shard_blocks``); ``--bf16`` is Lightning's ``bf16-mixed``, ``--compile`` is for the HF
+Trainer only.
 Lightning starts the other ranks by re-running this command; rank 0 prints the summary (its ``act/`` scalars
 in TensorBoard come from ``CompressionMonitor``, untagged ``train/``).
 """
@@ -135,7 +137,7 @@ class ShardedClassifier(L.LightningModule):
 
 
 def train_fsdp(args, compress: bool, train_set, eval_set, num_labels: int) -> RunResult:
-    """``--strategy act_fsdp``: Lightning with FSDP2 on ``--devices`` CPU processes."""
+    """``--strategy act_fsdp``: Lightning with FSDP2 on ``--devices`` processes of ``--device``'s kind."""
     from lightning.pytorch.loggers import TensorBoardLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -156,7 +158,8 @@ def train_fsdp(args, compress: bool, train_set, eval_set, num_labels: int) -> Ru
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     logger = TensorBoardLogger(args.logdir, name=run, version=0) if args.report_to == "tensorboard" else False
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=args.devices, max_epochs=math.ceil(args.epochs),
+        strategy=strategy, accelerator=training_device(args.device).type, devices=args.devices,
+        precision="bf16-mixed" if args.bf16 else "32-true", max_epochs=math.ceil(args.epochs),
         max_steps=args.max_steps, accumulate_grad_batches=args.grad_accum, callbacks=callbacks, logger=logger,
         log_every_n_steps=args.logging_steps, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False)
@@ -202,15 +205,17 @@ def parse_args(argv=None):
     parser.add_argument("--logdir", default="runs/hf", help="output and TensorBoard directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="auto: the GPU where CUDA is available, else the CPU (--strategy hf)")
+                        help="auto: the GPU where CUDA is available, else the CPU")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast (mixed precision)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model (both runs); the compressed run compresses inside its graphs")
     parser.add_argument("--strategy", default="hf", choices=("hf", "act_fsdp"),
-                        help="hf: transformers.Trainer and ACTTrainer; act_fsdp: Lightning with FSDP2 on CPU (gloo)")
+                        help="hf: transformers.Trainer and ACTTrainer; act_fsdp: Lightning with FSDP2")
     parser.add_argument("--devices", type=int, default=2, help="processes with --strategy act_fsdp")
     args = parser.parse_args(argv)
     training_device(args.device)  # a GPU asked for where there is none: said now, not after loading the model
+    if args.compile and args.strategy != "hf":
+        raise ValueError(f"--compile with --strategy {args.strategy}; --compile is for --strategy hf")
     return args
 
 
@@ -233,7 +238,7 @@ def main(argv=None) -> tuple[RunResult, RunResult]:
              f"{', bf16 autocast' if args.bf16 else ''}{', torch.compile' if args.compile else ''}), "
              + (f"auto-precision at {args.bits} bits on average" if args.adaptive else f"{args.bits}-bit activations"))
     if args.strategy == "act_fsdp":
-        title += f", FSDP2 on {args.devices} CPU processes (batch per process)"
+        title += f", FSDP2 on {args.devices} processes (batch per process)"
         if torch.distributed.get_rank() != 0:
             return baseline, compressed
     print(summary_table(title, baseline, compressed))

@@ -65,6 +65,8 @@ def test_hf_recipe_passes_device_precision_and_compile_to_the_trainer(tmp_path, 
     assert training.output_dir == str(tmp_path / "compressed")
     plain = hf_text_classification.training_arguments(hf_text_classification.parse_args([]), compress=False)
     assert (plain.bf16, plain.torch_compile) == (False, False)
+    with pytest.raises(ValueError, match="--compile with --strategy act_fsdp; --compile is for --strategy hf"):
+        hf_text_classification.parse_args(["--compile", "--strategy", "act_fsdp"])
 
 
 def test_accelerate_recipe(tmp_path, capsys):
