@@ -376,8 +376,10 @@ def _sdpa_rule(t: torch.Tensor, call) -> Codec | None:
     # Besides q, k, v and softmax outputs (which require grad: default codec), CPU SDPA saves its padding mask
     # as a float 0/-inf tensor (flash path) and its dropout noise (math path), both of the scores' shape.
     # Quantized, a group holding -inf decodes to NaN and every gradient turns NaN; both are one value and
-    # zeros: 1 bit each, exact. A scores-shaped tensor of several values (a position bias) is kept raw; other
-    # tensors saved without grad (the log-sum-exp) keep the default codec, and no host read is spent on them.
+    # zeros: 1 bit each, exact. A scores-shaped tensor of several values (a position bias) is kept raw. Other
+    # float tensors saved without grad are the log-sum-exp of each query row (flash and efficient kernels): the
+    # backward recomputes the probabilities as exp(scores - lse), so an error d in it scales them by e^-d (a
+    # 4-bit grid over a group of rows moves it by a good part of 1): kept exact, a 1 / keys share of the scores.
     if not t.is_floating_point() or t.requires_grad or t.dim() < 2:
         return None
     args = dict(zip(("query", "key"), call.args), **call.kwargs)
@@ -386,7 +388,7 @@ def _sdpa_rule(t: torch.Tensor, call) -> Codec | None:
         return None
     scores_shaped = t.shape[-1] == key.shape[-2] and t.shape[-2] in (1, query.shape[-2])
     if not scores_shaped:
-        return None
+        return _KEPT_RAW
     # the one-value check's verdict is a host read: off CPU it would make the host wait for the device for each
     # such tensor (CUDA's math fallback), so there the tensor is kept as it is, exact
     return _ONE_VALUE_OR_RAW if t.device.type == "cpu" else _KEPT_RAW
