@@ -23,10 +23,11 @@ in the graph, so it is not the eager path's keyed stream. Bool tensors (dropout'
 backward selects by) are packed at 1 bit, losslessly, when ``compress_masks`` is on (``unpack_mask`` decodes
 them); so is the sign of a float tensor whose backward compares it with 0 (a ReLU output the next layer also
 saves), beside its codes, and the decode restores it exactly (:func:`restore_signs`). Kept as they are there:
-float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits`` 16/32), attention masks the backward
-reads (SDPA's additive 0 / -inf mask: exact, as in eager code), integer tensors, tensors under ``min_numel``
-elements or not dense in memory, and what AOTAutograd does not hand to the hooks (inputs, parameters, outputs of
-the region).
+float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits`` 16/32), what an attention backward
+rescales rows by (SDPA's additive 0 / -inf mask and log-sum-exp, a decomposed softmax's row maxima and sums: exact,
+as in eager code; the logits such a softmax is recomputed from go at 8 bits at least), integer tensors, tensors
+under ``min_numel`` elements or not dense in memory, and what AOTAutograd does not hand to the hooks (inputs,
+parameters, outputs of the region).
 """
 from __future__ import annotations
 
@@ -218,31 +219,64 @@ def backward_tests_sign(context: dict | None) -> bool:
         and user.args[_SIGN_TESTS[user.target][1]] == 0 for user in placeholder.users)
 
 
-# the arguments of SDPA's backward kernels (flash for CPU, efficient, cuDNN, ...) that take the attention mask
-_MASK_ARGUMENTS = frozenset({"attn_mask", "attn_bias"})
-_VIEWS_OF_INPUTS = frozenset({torch.ops.aten.expand.default, torch.ops.aten.view.default,
-                              torch.ops.aten.reshape.default, torch.ops.aten.permute.default,
-                              torch.ops.aten.alias.default})
+# The arguments of attention kernels' backwards (SDPA's flash, efficient, cuDNN, ...) that must come back exactly:
+# an additive mask holds -inf or the dtype's lowest value beside zeros, which no quantization grid keeps (a group
+# with -inf decodes to NaN, one with -3.4e38 moves its zeros by ~1e36), and the rows' log-sum-exp rescales each row
+# of recomputed probabilities, exp(scores - lse), by e^-d for an error d. Both as the eager engine's SDPA rule.
+_EXACT_ATTENTION_ARGUMENTS = frozenset({"attn_mask", "attn_bias", "bias", "logsumexp"})
+_aten = torch.ops.aten
+_VIEWS_OF_INPUTS = frozenset({_aten.expand.default, _aten.view.default, _aten.reshape.default,
+                              _aten.permute.default, _aten.alias.default})
 
 
-def backward_reads_as_attention_mask(context: dict | None) -> bool:
+def backward_reads_exactly(context: dict | None) -> bool:
     """Whether the backward graph of the pack hook's ``context`` passes the saved tensor (or a view of it) to an
-    attention kernel as its mask. An additive mask holds -inf or the dtype's lowest value beside zeros: no
-    quantization grid keeps both (a group with -inf decodes to NaN, one with -3.4e38 moves its zeros by ~1e36),
-    so it is kept exact, as the eager engine's SDPA rule keeps it."""
+    attention kernel as its mask or its rows' log-sum-exp (``_EXACT_ATTENTION_ARGUMENTS``)."""
     placeholder = _backward_placeholder(context)
     nodes = [placeholder] if placeholder is not None else []
     for node in nodes:  # grows while it is walked: views of views
         for user in node.users:
             if user.target in _VIEWS_OF_INPUTS:
                 nodes.append(user)
-            elif isinstance(user.target, torch._ops.OpOverload):
-                schema = user.target._schema.arguments
-                named = [a.name for a, v in zip(schema, user.args) if v is node]
+            elif isinstance(user.target, torch._ops.OpOverload) and "attention" in user.target.name():
+                named = [a.name for a, v in zip(user.target._schema.arguments, user.args) if v is node]
                 named += [name for name, v in user.kwargs.items() if v is node]
-                if _MASK_ARGUMENTS.intersection(named):
+                if _EXACT_ATTENTION_ARGUMENTS.intersection(named):
                     return True
     return False
+
+
+# A softmax the forward graph decomposed (amax, sub, exp, sum, div), whose backward recomputes it from the saved
+# logits, maximum and sum (AOTAutograd's choice where attention with dropout is decomposed, as on CPU): an error d
+# in a row's maximum or logit scales its probabilities by e^-d, one in the sum by 1 / (1 + d / sum). The maximum
+# and sum (a 1 / row-length share of the logits) are kept exact; the logits, as large as the probabilities the
+# eager engine stores, go at 8 bits at least (e^(step / 2): a few percent).
+_REDUCTIONS = frozenset({_aten.amax.default, _aten.sum.dim_IntList})
+_LOGIT_OPS = frozenset({*_VIEWS_OF_INPUTS, _aten.mul.Tensor, _aten.div.Tensor, _aten.add.Tensor, _aten.sub.Tensor,
+                        _aten.where.self, _aten._unsafe_view.default, _aten.clone.default,
+                        torch.ops.prims.convert_element_type.default})
+SOFTMAX_STATISTIC, SOFTMAX_LOGITS = "statistic", "logits"
+LOGIT_BITS = 8
+
+
+def softmax_part(node: torch.fx.Node | None) -> str | None:
+    """What the forward ``node`` (a saved tensor's) is of a decomposed softmax: ``SOFTMAX_STATISTIC`` (a row
+    maximum, or a sum of exponentials), ``SOFTMAX_LOGITS`` (what the maximum is taken over, through views and
+    elementwise scaling and masking), or None."""
+    if node is None:
+        return None
+    if node.target == _aten.amax.default or (
+            node.target == _aten.sum.dim_IntList and getattr(node.args[0], "target", None) == _aten.exp.default):
+        return SOFTMAX_STATISTIC
+    nodes, seen = [node], {node}
+    for current in nodes:  # grows while it is walked, a few ops deep
+        for user in current.users:
+            if user.target == _aten.amax.default:
+                return SOFTMAX_LOGITS
+            if user.target in _LOGIT_OPS and user not in seen and len(seen) < 16:
+                seen.add(user)
+                nodes.append(user)
+    return None
 
 
 @torch.library.custom_op("lightning_act::unpack_mask", mutates_args=())
@@ -342,18 +376,24 @@ class GraphHooks:
         takes = (x.dtype in FLOAT_DTYPES and self.bits is not None) or (x.dtype == torch.bool and self.masks)
         context = _saved_tensor_hook_context()
         order = memory_order(x, context) if takes else None
-        if (order is None or not self.min_numel <= x.numel() <= MAX_NUMEL
-                or (x.dtype != torch.bool and backward_reads_as_attention_mask(context))):
+        if order is None or not self.min_numel <= x.numel() <= MAX_NUMEL:
             return KEPT, x
+        bits = self.bits
+        if x.dtype != torch.bool:
+            part = softmax_part(context.get("_node") if context is not None else None)
+            if part == SOFTMAX_STATISTIC or backward_reads_exactly(context):
+                return KEPT, x
+            if part == SOFTMAX_LOGITS:
+                bits = max(bits, LOGIT_BITS)
         inverse = None if order == tuple(range(x.dim())) else tuple(sorted(range(x.dim()), key=order.__getitem__))
         dense = x if inverse is None else x.permute(order)
         if x.dtype == torch.bool:  # lossless: dropout's keep masks, comparisons the backward selects by
             return BITS, pack_codes_traced(dense.reshape(-1).to(torch.uint8), 1), tuple(dense.shape), inverse
-        payload, mn, step = encode_traced(dense, self.bits, self.group_size, self.stats_dtype)
+        payload, mn, step = encode_traced(dense, bits, self.group_size, self.stats_dtype)
         # what ReLU's backward reads of its output, exact at 1 bit (the eager engine's positive_mask)
         signs = (pack_codes_traced(dense.reshape(-1).gt(0).to(torch.uint8), 1)
                  if self.masks and backward_tests_sign(context) else None)
-        return QUANTIZE, payload, mn, step, self.bits, self.group_size, x.dtype, tuple(dense.shape), inverse, signs
+        return QUANTIZE, payload, mn, step, bits, self.group_size, x.dtype, tuple(dense.shape), inverse, signs
 
     def codec(self, bits: int):
         return self.compressor.codec("quantize", bits)

@@ -224,6 +224,47 @@ def test_an_attention_mask_the_backward_reads_is_kept_exact():
     torch._dynamo.reset()
 
 
+class _Attention(nn.Module):
+    """One self-attention block through SDPA (heads 2, head size 16)."""
+
+    def __init__(self, dropout_p: float):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out, self.dropout_p = nn.Linear(32, 96), nn.Linear(32, 32), dropout_p
+
+    def forward(self, x):
+        batch, tokens, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, tokens, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p)
+        return self.out(attended.transpose(1, 2).reshape(batch, tokens, 32))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_what_attention_backwards_rescale_rows_by_is_kept_exact(dropout_p):
+    """Without dropout CPU SDPA is one kernel, whose backward reads the rows' log-sum-exp; with dropout inductor
+    decomposes it, and the backward recomputes the softmax from the saved logits, row maxima and sums. An error d
+    in any of them scales a row of probabilities by e^-d: at 4 bits the gradients' norm came out 10^3-10^7 times
+    too large on MiniLM. The row statistics are kept exact, the logits go at 8 bits."""
+    batch, heads, tokens = 8, 2, 64
+    model = _Attention(dropout_p)
+    x = torch.randn(batch, tokens, 32) * 4  # peaked rows: maxima and log-sum-exps spread over rows
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=256))
+    norms = []
+    for compress in (False, True):
+        with compressor.compress() if compress else contextlib.nullcontext():
+            loss = net(x).square().mean()
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        norms.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+    records = [r for r in _compiled_records(compressor) if r.codec == "quantize"]
+    assert records and not any(r.shape.numel() == batch * heads * tokens for r in records)  # kept exact
+    logits = [r for r in records if r.shape.numel() == batch * heads * tokens * tokens]
+    assert (8.0 in [r.bits for r in logits]) == bool(dropout_p)  # beside them, 4-bit probabilities
+    assert 0.7 < norms[1] / norms[0] < 1.4, norms
+    torch._dynamo.reset()
+
+
 def test_channels_last_convolutions_decode_in_their_memory_order():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 3, padding=1), nn.GELU(),
