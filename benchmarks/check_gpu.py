@@ -12,7 +12,8 @@ CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on t
 - ``lorenzo trim``: once the GPU has written a lorenzo payload, the next encode's poll cuts it to its exact size.
 - ``compile``: ``backend="compile"`` (Triton) stores the specification's bytes (run last: compiling takes
   longest).
-- ``compiled model``: a ``torch.compile``'d BERT step, then a small conv net's (channels_last groups, ReLU signs),
+- ``compiled model``: a ``torch.compile``'d BERT step on a padded batch (SDPA's mask and log-sum-exp kept exact),
+  then a small conv net's (channels_last groups, ReLU signs),
   compress inside their graphs (``lightning_act.compiled_regions``), gradients close to the compiled uncompressed
   step's.
 - ``side stream``: gradients of a training step with ``side_stream=True`` equal those without, bit for bit.
@@ -224,7 +225,10 @@ class Checks:
             problem = "decode differs"
         return problem
 
-    def _bert(self, layers: int = 2, hidden: int = 128, seq: int = 64, batch: int = 4, dropout: float = 0.1):
+    def _bert(self, layers: int = 2, hidden: int = 128, seq: int = 64, batch: int = 4, dropout: float = 0.1,
+              padded: bool = False):
+        """A small BERT and its loss; ``padded``: every other sequence's second half is padding (an attention mask,
+        which SDPA's backward reads beside its rows' log-sum-exp)."""
         from transformers import BertConfig, BertForSequenceClassification
 
         torch.manual_seed(0)
@@ -234,7 +238,10 @@ class Checks:
         model = BertForSequenceClassification(config).to(self.device).train()
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=self.device)
         labels = torch.randint(0, 2, (batch,), device=self.device)
-        return model, lambda: model(input_ids=ids, labels=labels).loss
+        mask = torch.ones(batch, seq, dtype=torch.long, device=self.device)
+        if padded:
+            mask[::2, seq // 2:] = 0
+        return model, lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
     def _grads(self, model, loss_fn, config: act.ACTConfig | act.ActivationCompressor | None,
                autocast: bool) -> tuple[float, torch.Tensor]:
@@ -302,7 +309,7 @@ class Checks:
         """A torch.compile'd step (``build()``'s model and loss; default BERT) under bf16 autocast at 4 bits:
         activations compressed inside its graphs (Triton encode, the codec's decode), gradients close to the
         compiled uncompressed step's (no dropout: compiled graphs draw their masks in their own order)."""
-        model, loss_fn = build() if build is not None else self._bert(dropout=0.0)
+        model, loss_fn = build() if build is not None else self._bert(dropout=0.0, padded=True)
         model.compile()
         config = act.ACTConfig(bits=4, adaptive=False)
         try:
@@ -380,7 +387,7 @@ def checks(device: torch.device, only: tuple[str, ...], codecs: tuple[str, ...] 
     for dtype in (torch.bfloat16, torch.float32):
         plan.append(("compile", f"4-bit, {str(dtype).removeprefix('torch.')}",
                      lambda dtype=dtype: c.compiled(4, dtype)))
-    plan.append(("compiled model", "BERT 2x128 torch.compile'd, 4-bit, bf16", c.compiled_model))
+    plan.append(("compiled model", "BERT 2x128 torch.compile'd, padded batch, 4-bit, bf16", c.compiled_model))
     plan.append(("compiled model", "2 x Conv-BN-ReLU torch.compile'd, 16 x 32², 4-bit, bf16",
                  lambda: c.compiled_model(c._conv_net)))
     for check, case, fn in plan:

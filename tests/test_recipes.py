@@ -28,6 +28,21 @@ def _check_summary(out: str, baseline, compressed, tables: int = 1):
     assert len(baseline.step_seconds) == len(compressed.step_seconds) > 0
 
 
+def _skip_without_inlined_hooks():
+    from lightning_act import compiled_regions
+
+    if not torch._dynamo.is_dynamo_supported() or not compiled_regions.supported():
+        pytest.skip("torch.compile with inlined saved-tensor hooks unsupported here")
+
+
+def _check_compiled_summary(out: str, baseline, compressed):
+    """A ``--compile`` run's summary: compressed inside the compiled graphs, at 4 bits (masks at 1)."""
+    _check_summary(out, baseline, compressed)
+    assert "torch.compile" in out
+    inside = [r for r in compressed.stats.records if r.phase == "compiled"]
+    assert inside and {(r.codec, r.bits) for r in inside} <= {("quantize", 4.0), ("bitmask", 1.0)}
+
+
 @pytest.mark.parametrize("recipe", ["accelerate_example", "cnn_image_classification", "gnn_node_classification",
                                     "hf_text_classification"])
 def test_help_is_documented(recipe, capsys):
@@ -93,21 +108,14 @@ def test_accelerate_recipe_compiled_compresses_inside_the_graphs(tmp_path, capsy
 
     import accelerate_example
 
-    from lightning_act import compiled_regions
-
-    if not torch._dynamo.is_dynamo_supported() or not compiled_regions.supported():
-        pytest.skip("torch.compile with inlined saved-tensor hooks unsupported here")
+    _skip_without_inlined_hooks()
     try:
         baseline, compressed = accelerate_example.main(
             ["--epochs", "1", "--max-steps", "2", "--batch-size", "32", "--compile", "--logdir", str(tmp_path)])
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         torch._dynamo.reset()
-    out = capsys.readouterr().out
-    _check_summary(out, baseline, compressed)
-    assert "torch.compile" in out
-    inside = [r for r in compressed.stats.records if r.phase == "compiled"]
-    assert inside and {(r.codec, r.bits) for r in inside} <= {("quantize", 4.0), ("bitmask", 1.0)}
+    _check_compiled_summary(capsys.readouterr().out, baseline, compressed)
 
 
 def test_gnn_recipe_all_models_on_karate(tmp_path, capsys):
@@ -177,20 +185,13 @@ def test_cnn_recipe_compiled_compresses_inside_the_graphs(tmp_path, capsys):
     pytest.importorskip("sklearn")
     import cnn_image_classification
 
-    from lightning_act import compiled_regions
-
-    if not torch._dynamo.is_dynamo_supported() or not compiled_regions.supported():
-        pytest.skip("torch.compile with inlined saved-tensor hooks unsupported here")
+    _skip_without_inlined_hooks()
     try:
         baseline, compressed = cnn_image_classification.main(
             [*CNN_SMOKE, "--dataset", "digits", "--compile", "--logdir", str(tmp_path)])
     finally:
         torch._dynamo.reset()
-    out = capsys.readouterr().out
-    _check_summary(out, baseline, compressed)
-    assert "torch.compile" in out
-    inside = [r for r in compressed.stats.records if r.phase == "compiled"]
-    assert inside and {(r.codec, r.bits) for r in inside} <= {("quantize", 4.0), ("bitmask", 1.0)}
+    _check_compiled_summary(capsys.readouterr().out, baseline, compressed)
 
 
 def test_cnn_recipe_rejects_a_bad_config_before_training():
