@@ -249,14 +249,29 @@ def backward_reads_exactly(context: dict | None) -> bool:
 # A softmax the forward graph decomposed (amax, sub, exp, sum, div), whose backward recomputes it from the saved
 # logits, maximum and sum (AOTAutograd's choice where attention with dropout is decomposed, as on CPU): an error d
 # in a row's maximum or logit scales its probabilities by e^-d, one in the sum by 1 / (1 + d / sum). The maximum
-# and sum (a 1 / row-length share of the logits) are kept exact; the logits, as large as the probabilities the
-# eager engine stores, go at 8 bits at least (e^(step / 2): a few percent).
+# and sum, or the log of the sum (a log-softmax's, as in cross-entropy), a 1 / row-length share of the logits, are
+# kept exact; the logits, as large as the probabilities the eager engine stores, go at 8 bits at least
+# (e^(step / 2): a few percent).
 _REDUCTIONS = frozenset({_aten.amax.default, _aten.sum.dim_IntList})
 _LOGIT_OPS = frozenset({*_VIEWS_OF_INPUTS, _aten.mul.Tensor, _aten.div.Tensor, _aten.add.Tensor, _aten.sub.Tensor,
                         _aten.where.self, _aten._unsafe_view.default, _aten.clone.default,
                         torch.ops.prims.convert_element_type.default})
+_STATISTIC_FUNCTIONS = frozenset({_aten.log.default, _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default,
+                                  _aten.reciprocal.default})
 SOFTMAX_STATISTIC, SOFTMAX_LOGITS = "statistic", "logits"
 LOGIT_BITS = 8
+
+
+def _is_softmax_statistic(node: torch.fx.Node, depth: int = 3) -> bool:
+    """A row maximum, a sum of exponentials, or an elementwise function of such statistics alone (the log of the
+    sum: a log-softmax's log-sum-exp)."""
+    if node.target == _aten.amax.default:
+        return True
+    if node.target == _aten.sum.dim_IntList:
+        return getattr(node.args[0], "target", None) == _aten.exp.default
+    inputs = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    return (depth > 0 and node.target in _STATISTIC_FUNCTIONS and bool(inputs)
+            and all(_is_softmax_statistic(a, depth - 1) for a in inputs))
 
 
 def softmax_part(node: torch.fx.Node | None) -> str | None:
@@ -265,8 +280,7 @@ def softmax_part(node: torch.fx.Node | None) -> str | None:
     elementwise scaling and masking), or None."""
     if node is None:
         return None
-    if node.target == _aten.amax.default or (
-            node.target == _aten.sum.dim_IntList and getattr(node.args[0], "target", None) == _aten.exp.default):
+    if _is_softmax_statistic(node):
         return SOFTMAX_STATISTIC
     nodes, seen = [node], {node}
     for current in nodes:  # grows while it is walked, a few ops deep

@@ -265,6 +265,30 @@ def test_what_attention_backwards_rescale_rows_by_is_kept_exact(dropout_p):
     torch._dynamo.reset()
 
 
+def test_a_cross_entropys_row_statistics_stay_exact_and_its_logits_take_8_bits():
+    """Cross-entropy's log-softmax, decomposed: the backward recomputes it from the logits, their row maxima and
+    the log of the sums of exponentials."""
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = _mlp(width=64), nn.Linear(4, 1000)
+
+        def forward(self, x, y):  # the loss inside the compiled graph
+            return nn.functional.cross_entropy(self.head(self.body(x)) * 8, y)
+
+    x, y = torch.randn(256, 16), torch.randint(0, 1000, (256,))
+    net = torch.compile(Classifier())
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=64))
+    with compressor.compress():
+        loss = net(x, y)
+    loss.backward()
+    records = [r for r in _compiled_records(compressor) if r.codec == "quantize"]
+    assert not any(r.shape.numel() == 256 for r in records)  # maxima and log-sum-exps: kept
+    assert [r.bits for r in records if r.shape.numel() == 256 * 1000] == [8.0]
+    assert {r.bits for r in records if r.shape.numel() == 256 * 64} == {4.0}
+    torch._dynamo.reset()
+
+
 def test_channels_last_convolutions_decode_in_their_memory_order():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 3, padding=1), nn.GELU(),
