@@ -225,8 +225,9 @@ def backward_tests_sign(context: dict | None) -> bool:
 # of recomputed probabilities, exp(scores - lse), by e^-d for an error d. Both as the eager engine's SDPA rule.
 _EXACT_ATTENTION_ARGUMENTS = frozenset({"attn_mask", "attn_bias", "bias", "logsumexp"})
 _aten = torch.ops.aten
-_VIEWS_OF_INPUTS = frozenset({_aten.expand.default, _aten.view.default, _aten.reshape.default,
-                              _aten.permute.default, _aten.alias.default})
+_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                    torch.ops.aten.permute.default, torch.ops.aten.alias.default})
+_VIEWS_AND_EXPANDS = _VIEWS | {_aten.expand.default}
 
 
 def backward_reads_exactly(context: dict | None) -> bool:
@@ -236,7 +237,7 @@ def backward_reads_exactly(context: dict | None) -> bool:
     nodes = [placeholder] if placeholder is not None else []
     for node in nodes:  # grows while it is walked: views of views
         for user in node.users:
-            if user.target in _VIEWS_OF_INPUTS:
+            if user.target in _VIEWS_AND_EXPANDS:
                 nodes.append(user)
             elif isinstance(user.target, torch._ops.OpOverload) and "attention" in user.target.name():
                 named = [a.name for a, v in zip(user.target._schema.arguments, user.args) if v is node]
@@ -252,10 +253,8 @@ def backward_reads_exactly(context: dict | None) -> bool:
 # and sum, or the log of the sum (a log-softmax's, as in cross-entropy), a 1 / row-length share of the logits, are
 # kept exact; the logits, as large as the probabilities the eager engine stores, go at 8 bits at least
 # (e^(step / 2): a few percent).
-_REDUCTIONS = frozenset({_aten.amax.default, _aten.sum.dim_IntList})
-_LOGIT_OPS = frozenset({*_VIEWS_OF_INPUTS, _aten.mul.Tensor, _aten.div.Tensor, _aten.add.Tensor, _aten.sub.Tensor,
-                        _aten.where.self, _aten._unsafe_view.default, _aten.clone.default,
-                        torch.ops.prims.convert_element_type.default})
+_LOGIT_OPS = frozenset({*_VIEWS_AND_EXPANDS, _aten.mul.Tensor, _aten.div.Tensor, _aten.add.Tensor, _aten.sub.Tensor,
+                        _aten.where.self, _aten.clone.default, torch.ops.prims.convert_element_type.default})
 _STATISTIC_FUNCTIONS = frozenset({_aten.log.default, _aten.add.Tensor, _aten.sub.Tensor, _aten.neg.default,
                                   _aten.reciprocal.default})
 SOFTMAX_STATISTIC, SOFTMAX_LOGITS = "statistic", "logits"
@@ -276,8 +275,8 @@ def _is_softmax_statistic(node: torch.fx.Node, depth: int = 3) -> bool:
 
 def softmax_part(node: torch.fx.Node | None) -> str | None:
     """What the forward ``node`` (a saved tensor's) is of a decomposed softmax: ``SOFTMAX_STATISTIC`` (a row
-    maximum, or a sum of exponentials), ``SOFTMAX_LOGITS`` (what the maximum is taken over, through views and
-    elementwise scaling and masking), or None."""
+    maximum, a sum of exponentials, or the log of one), ``SOFTMAX_LOGITS`` (what the maximum is taken over, through
+    views and elementwise scaling and masking), or None."""
     if node is None:
         return None
     if _is_softmax_statistic(node):
@@ -420,9 +419,6 @@ class GraphHooks:
             records.append(TensorRecord(len(records), torch.Size((numel,)), dtype, COMPRESSED, codec, float(bits),
                                         numel * dtype.itemsize, stored, phase="compiled"))
 
-
-_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-                    torch.ops.aten.permute.default, torch.ops.aten.alias.default})
 
 
 def _sink_decodes(graph: torch.fx.Graph) -> None:
