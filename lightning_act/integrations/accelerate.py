@@ -43,7 +43,7 @@ def compressed_module(model: nn.Module) -> nn.Module:
     ``accelerator.prepare`` returned it: the ``torch.compile`` wrapper where Accelerate compiled the model
     (``dynamo_backend``: the compressor must know that compiled graphs run, and ``compress()`` must open outside
     them), else the module inside the DDP/FSDP wrappers. Nothing is rewired (``accelerator.unwrap_model`` keeping
-    the compile wrapper points it past DDP, at the module inside)."""
+    the compile wrapper points its ``_orig_mod`` past DDP, at the module inside)."""
     from accelerate.utils import extract_model_from_parallel
 
     compiled = compiled_wrapper(model)  # (not `or`: a module's truth is its len() where it has one)
