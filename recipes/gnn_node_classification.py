@@ -75,9 +75,9 @@ def train(args, data, kind: str, compress: bool, writer=None) -> tuple[RunResult
     """Full-batch training; returns the run and, when compressed, the per-layer table of the last step."""
     torch.manual_seed(args.seed)
     model = gnn(kind, data.num_features, args.hidden, int(data.y.max()) + 1, args.layers, cached=True)
-    model.to(data.x.device)
     if kind == "gcn" and args.adjacency == "sparse" and args.fuse:
         fuse_gcn(model)
+    model.to(data.x.device)  # after the swap: whatever the fused modules hold moves too
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=5e-4)
     adj = adjacency(data, args.adjacency)
     compressor = act.ActivationCompressor(model, act.ACTConfig(bits=args.bits, adaptive=False, min_numel=args.min_numel))
