@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from typing import Iterator
@@ -81,16 +82,23 @@ def compiled_wrapper(model: torch.nn.Module) -> torch.nn.Module | None:
     outside (``TrainingArguments(torch_compile=True)``, Accelerate's ``dynamo_backend``): the module it wraps does
     not know, so a compressor built on that module would not compress inside the compiled graphs."""
     optimized = getattr(torch._dynamo, "OptimizedModule", ())
-    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    if torch.distributed.is_available():
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        parallel += (FullyShardedDataParallel,)
+    parallel = _data_parallel_wrappers()
     while not isinstance(model, optimized):
         if not isinstance(model, parallel):
             return None
         model = model.module
     return model
+
+
+@functools.cache
+def _data_parallel_wrappers() -> tuple[type, ...]:
+    """The wrapper classes that hold the module they run as ``.module`` (found once: a trainer asks every step)."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers += (FullyShardedDataParallel,)
+    return wrappers
 
 
 class CompiledRegions:

@@ -239,15 +239,15 @@ class _Attention(nn.Module):
         return self.out(attended.transpose(1, 2).reshape(batch, tokens, 32))
 
 
-@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
-def test_what_attention_backwards_rescale_rows_by_is_kept_exact(dropout_p):
+@pytest.mark.parametrize("dropout_p, dtype", [(0.0, torch.float32), (0.1, torch.float32), (0.1, torch.float64)])
+def test_what_attention_backwards_rescale_rows_by_is_kept_exact(dropout_p, dtype):
     """Without dropout CPU SDPA is one kernel, whose backward reads the rows' log-sum-exp; with dropout inductor
     decomposes it, and the backward recomputes the softmax from the saved logits, row maxima and sums. An error d
     in any of them scales a row of probabilities by e^-d: at 4 bits the gradients' norm came out 10^3-10^7 times
     too large on MiniLM. The row statistics are kept exact, the logits go at 8 bits."""
     batch, heads, tokens = 8, 2, 64
-    model = _Attention(dropout_p)
-    x = torch.randn(batch, tokens, 32) * 4  # peaked rows: maxima and log-sum-exps spread over rows
+    model = _Attention(dropout_p).to(dtype)
+    x = torch.randn(batch, tokens, 32, dtype=dtype) * 4  # peaked rows: maxima and log-sum-exps spread over rows
     net = torch.compile(model)
     compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=256))
     norms = []

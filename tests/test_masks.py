@@ -281,12 +281,13 @@ def test_sdpa_padding_mask_and_dropout_noise_are_stored_losslessly(dropout_p):
     assert all(r.codec == "none" for r in records if tuple(r.shape) == (4, 2, 64))
 
 
-def test_sdpa_log_sum_exp_is_kept_exact():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sdpa_log_sum_exp_is_kept_exact(dtype):
     """The backward recomputes the probabilities as exp(scores - lse): an error d in the log-sum-exp scales a
     row by e^-d. Quantized at 4 bits it took the gradients of q and k to cosine 0.66 and 0.72 here; kept exact
     (a 1 / keys share of the scores), the attention output's 4 bits leave them above 0.85."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(4, 2, 64, 16) * scale for scale in (3, 3, 1))  # peaked rows: lse spread over rows
+    q, k, v = (torch.randn(4, 2, 64, 16, dtype=dtype) * scale for scale in (3, 3, 1))  # peaked rows: lse spread
     mask = torch.ones(4, 1, 64, 64, dtype=torch.bool)
     mask[0, ..., 40:] = False
     compressor = act.ActivationCompressor(None, act.ACTConfig(bits=4, adaptive=False, min_numel=256))
