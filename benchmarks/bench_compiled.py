@@ -7,7 +7,8 @@ Each configuration trains its own copy of the model (same seed, same batch): a c
 wrapper) keeps its compiled graphs, and a checkpointed one its checkpointing, for the whole run (switching them
 per step would compile again).
 The configurations take turns step by step after two warm-up rounds (the first compiles). Peak: the step's
-resident-set growth (``peak_memory.peak_step_bytes``, glibc's mmap threshold pinned); time: median step seconds;
+resident-set growth (``peak_memory.peak_step_bytes``, glibc's mmap threshold pinned); time: median step seconds in
+a child process that runs the same turns with glibc's own thresholds (``peak_memory.timing_child``);
 peak ÷ and time × against the eager baseline, and against the compiled one. On a GPU, ``bench_gpu.py``'s
 ``compiled`` configurations measure the same comparison (BERT-base, ResNet-50, bf16 autocast).
 """
@@ -25,7 +26,8 @@ import lightning_act as act
 import models
 from models import MachineLoad, machine, publish
 from bench_gpu import METHODS, Prepared
-from peak_memory import ensure_fixed_mmap_threshold, peak_step_bytes
+from peak_memory import (ensure_fixed_mmap_threshold, is_timing_child, peak_step_bytes, timing_child,
+                         write_timings)
 
 MiB = 2**20
 # model -> (builder in models.py, batch, builder options); the sizes of run_all.py's memory section
@@ -56,23 +58,35 @@ class Run:
         return models.train_step(self.model, self.loss_fn, self.compressor)
 
 
-def measure(model_key: str, configs: list[str], repeats: int, warmup: int) -> list[dict]:
+def take_turns(model_key: str, configs: list[str], repeats: int, warmup: int, measure_step) -> tuple:
+    """``(runs, measured, first_step_s)``: one ``Run`` per configuration, taking turns step by step;
+    ``measure_step(run)`` of every step after ``warmup`` rounds, and the first step's seconds (it compiles)."""
     name, builder, batch, options = MODELS[model_key]
     runs = {config: Run(builder, batch, options, config) for config in configs}
-    seconds = {config: [] for config in configs}
-    peaks = {config: [] for config in configs}
-    compile_s = {}
+    measured = {config: [] for config in configs}
+    first_step_s = {}
     for round_index in range(warmup + repeats):
         for config, run in runs.items():
             started = time.perf_counter()
-            step_seconds = []
-            peak = peak_step_bytes(lambda run=run: step_seconds.append(run.step()))
+            value = measure_step(run)
             if round_index == 0:
-                compile_s[config] = time.perf_counter() - started
+                first_step_s[config] = time.perf_counter() - started
             if round_index >= warmup:
-                seconds[config] += step_seconds
-                peaks[config].append(peak)
+                measured[config].append(value)
         print(f"  {name}: round {round_index + 1} of {warmup + repeats}", flush=True)
+    return runs, measured, first_step_s
+
+
+def step_seconds(model_key: str, configs: list[str], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Per configuration, the seconds of each measured step (in a ``peak_memory.timing_child``: a pinned
+    process's step times are not a user's)."""
+    return take_turns(model_key, configs, repeats, warmup, Run.step)[1]
+
+
+def measure(model_key: str, configs: list[str], repeats: int, warmup: int, seconds: dict[str, list[float]]) -> list[dict]:
+    """The rows of one model: peaks measured here, ``seconds`` from ``step_seconds`` in a timing child."""
+    name, _, batch, _ = MODELS[model_key]
+    runs, peaks, compile_s = take_turns(model_key, configs, repeats, warmup, lambda run: peak_step_bytes(run.step))
     rows = []
     for config, run in runs.items():
         stats = run.compressor.stats() if run.compressor is not None else None
@@ -113,13 +127,22 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if is_timing_child():
+        write_timings({key: step_seconds(key, args.configs, args.repeats, args.warmup) for key in args.models})
+        return 0
     ensure_fixed_mmap_threshold()
     started = time.perf_counter()
     with MachineLoad() as load:
-        rows = [row for key in args.models for row in measure(key, args.configs, args.repeats, args.warmup)]
+        seconds = timing_child(__file__, sys.argv[1:] if argv is None else argv)
+        rows = [row for key in args.models
+                for row in measure(key, args.configs, args.repeats, args.warmup, seconds[key])]
     busy = load.summary()
     text = "\n\n".join([
         "# torch.compile'd models: compressed inside the compiled graphs", table(rows),
+        "Peak: a step's resident-set growth, glibc's mmap threshold pinned at 64 KiB; step ms: the same turns in a "
+        "child process with glibc's own thresholds (`peak_memory.timing_child`: the pin makes every large block "
+        "fault its pages in afresh, which costs the step that allocates more blocks time no user's process spends); "
+        "first step s: the pinned process's first step (the compiled rows compile in it).",
         f"Command: `python benchmarks/bench_compiled.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
         f"{machine()}; {(time.perf_counter() - started) / 60:.1f} min.",
         f"Other processes used {busy['other_cores']:.2f} of the {busy['cpus']} CPUs on average while this ran "

@@ -1,8 +1,9 @@
 """Models and helpers the benchmark scripts share. Each builder returns ``(model, loss_fn)`` for one fixed
-random batch (random init, nothing downloaded). Also: one training step, alternating step timing (with peak
+random batch (random init, nothing downloaded). Also: one training step, alternating step timing (or peak
 memory), the machine description and the CPU time other processes used during a run."""
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -96,22 +97,18 @@ def train_step(model: nn.Module, loss_fn, compressor=None) -> float:
 
 
 def alternating_steps(model: nn.Module, loss_fn, compressors: dict, repeats: int, warmup: int = 2,
-                      peaks: bool = False) -> dict:
-    """Per entry of ``compressors`` (``None``: no compression), the step seconds and, with ``peaks``, the step's
-    peak resident-set growth in bytes (``peak_memory.peak_step_bytes``) of every measured step. The entries take
-    turns step by step after ``warmup`` rounds, so every configuration sees the same machine state."""
-    measured = {name: {"seconds": [], "peak_bytes": []} for name in compressors}
+                      peaks: bool = False) -> dict[str, list[float]]:
+    """Per entry of ``compressors`` (``None``: no compression), the seconds of every measured step, or with
+    ``peaks`` its peak resident-set growth in bytes (``peak_memory.peak_step_bytes``; a pinned process's step
+    times are not a user's: see ``peak_memory``). The entries take turns step by step after ``warmup`` rounds,
+    so every configuration sees the same machine state."""
+    measured = {name: [] for name in compressors}
     for round_index in range(warmup + repeats):
         for name, compressor in compressors.items():
-            seconds = []
-            if peaks:
-                peak = peak_step_bytes(lambda: seconds.append(train_step(model, loss_fn, compressor)))
-            else:
-                seconds.append(train_step(model, loss_fn, compressor))
+            step = functools.partial(train_step, model, loss_fn, compressor)
+            value = peak_step_bytes(step) if peaks else step()
             if round_index >= warmup:
-                measured[name]["seconds"] += seconds
-                if peaks:
-                    measured[name]["peak_bytes"].append(peak)
+                measured[name].append(value)
     return measured
 
 
@@ -119,7 +116,7 @@ def median_step_times(model: nn.Module, loss_fn, compressors: dict, repeats: int
     """Median step seconds per entry of ``compressors`` (``None``: no compression), measured alternately
     (``alternating_steps``)."""
     measured = alternating_steps(model, loss_fn, compressors, repeats, warmup)
-    return {name: statistics.median(m["seconds"]) for name, m in measured.items()}
+    return {name: statistics.median(seconds) for name, seconds in measured.items()}
 
 
 def machine() -> str:

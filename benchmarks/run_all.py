@@ -12,7 +12,9 @@ How each number is measured (CPU, the pure-torch codecs):
   trains the same model on the same batch, the configurations taking turns step by step after a warm-up round;
   each measured step's peak is the process's resident-set peak above its level before the step
   (``peak_memory.py``: VmHWM reset around the step, glibc's mmap threshold pinned so freed tensors leave the
-  RSS). Medians over the repetitions. Saved/stored bytes come from ``compressor.stats()`` (the baseline's from
+  RSS). Step times come from a child process that builds the same models and runs the same turns without the
+  pin (``peak_memory.timing_child``: under it every large block faults its pages in afresh, a cost no user's
+  process has). Medians over the repetitions. Saved/stored bytes come from ``compressor.stats()`` (the baseline's from
   an uncompressed ``L0`` compressor on one extra step).
 - Run on its own: a GCN over a sparse adjacency, where compression moves the peak, ``bench_gnn_sparse.py``.
 - Max batch: ``bench_max_batch.py``: per (model, configuration) a fresh child process searches the largest
@@ -64,6 +66,7 @@ from lightning_act.datasets import (ROTTEN_TOMATOES_LABELS, digits_loaders, dros
 from lightning_act.models import DigitsCNN, gnn  # noqa: E402
 import models  # noqa: E402
 from models import MachineLoad, alternating_steps, machine, publish, train_step  # noqa: E402
+from peak_memory import is_timing_child, timing_child, write_timings  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SECTIONS = ("memory", "batch", "throughput", "torch_path", "accuracy")
@@ -161,8 +164,9 @@ def _stepper(model: nn.Module, config):
     return PeerStep(model, config) if isinstance(config, str) else act.ActivationCompressor(model, config)
 
 
-def memory_and_time(scale: Scale) -> list[dict]:
-    rows = []
+def _memory_models(scale: Scale):
+    """Per model of the memory/time section: its name, size, ``(model, loss_fn)``, its configurations' steppers
+    (L1's after one full auto-precision round) and L1's average bits."""
     for name, (builder, size, options) in scale.models.items():
         model, loss_fn = getattr(models, builder)(size, **options)
         configs = [c for c in scale.memory_configs if (name, c) not in NOT_RUN]
@@ -173,17 +177,31 @@ def memory_and_time(scale: Scale) -> list[dict]:
                 auto = AutoPrecision(compressor)
                 auto.adapt(0, lambda c=compressor: train_step(model, loss_fn, c))
                 average_bits[config] = auto.average_bits
-        measured = alternating_steps(model, loss_fn, compressors, scale.repeats, warmup=1, peaks=True)
+        yield name, size, model, loss_fn, compressors, average_bits
+
+
+def step_seconds(scale: Scale) -> dict[str, dict[str, list[float]]]:
+    """Per model and configuration of the memory/time section, the seconds of each measured step, the
+    configurations taking turns step by step (run in a ``peak_memory.timing_child``)."""
+    return {name: alternating_steps(model, loss_fn, compressors, scale.repeats, warmup=1)
+            for name, _, model, loss_fn, compressors, _ in _memory_models(scale)}
+
+
+def memory_and_time(scale: Scale) -> list[dict]:
+    seconds = timing_child(__file__, ["--quick"] if scale is QUICK else [])
+    rows = []
+    for name, size, model, loss_fn, compressors, average_bits in _memory_models(scale):
+        peaks = alternating_steps(model, loss_fn, compressors, scale.repeats, warmup=1, peaks=True)
         plain = act.ActivationCompressor(model, act.ACTConfig(opt_level="L0"))  # what the baseline saves
         train_step(model, loss_fn, plain)
         saved = plain.stats().device_bytes
         for config, compressor in compressors.items():
             row = {"model": name, "size": size, "config": config,
-                   "peak_mib": statistics.median(measured[config]["peak_bytes"]) / MiB,
-                   "peaks_mib": [p / MiB for p in measured[config]["peak_bytes"]], "saved_mib": saved / MiB,
+                   "peak_mib": statistics.median(peaks[config]) / MiB,
+                   "peaks_mib": [p / MiB for p in peaks[config]], "saved_mib": saved / MiB,
                    "stored_mib": None, "ratio": None, "stats_original_mib": None, "stats_ratio": None,
                    "average_bits": average_bits.get(config),
-                   "step_ms": statistics.median(measured[config]["seconds"]) * 1e3}
+                   "step_ms": statistics.median(seconds[name][config]) * 1e3}
             if not isinstance(compressor, PeerStep):  # a peer stores no compressed bytes to count
                 stats = (compressor or plain).stats()
                 row.update(stored_mib=stats.device_bytes / MiB, ratio=saved / stats.device_bytes,
@@ -509,7 +527,9 @@ def report(results: dict, command: str, load: dict) -> str:
                             if r["average_bits"] is not None) or "-"
         lines += ["## Peak memory and step time of one training step", "",
                   "Peak: resident-set growth above the level before the step (VmHWM), median over the measured "
-                  "steps; the configurations take turns step by step after a warm-up round. Saved MiB: what "
+                  "steps; step ms: median step time in a child process that runs the same turns with glibc's "
+                  "own allocation thresholds (`peak_memory.timing_child`); the configurations take turns step by "
+                  "step after a warm-up round. Saved MiB: what "
                   "autograd keeps from forward to backward without compression (an uncompressed `L0` "
                   "compressor's count); stored MiB: what the configuration keeps (`stats().device_bytes`); "
                   "ratio: saved / stored. (`stats().ratio` divides its own `original_bytes` instead, which "
@@ -659,6 +679,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     scale = QUICK if args.quick else FULL
+    if is_timing_child():  # memory_and_time's step times, without the pinned mmap threshold
+        write_timings(step_seconds(scale))
+        return {}
     command = _command(args.quick, args.out)
     if args.sections != list(SECTIONS):
         command += " --sections " + " ".join(args.sections)

@@ -396,3 +396,46 @@ def test_bench_torch_path_compares_the_torch_path_with_the_kernels_and_exits_2_w
         assert line.startswith(f"| float32 | {codec} | {kernel['encode_gbps']:.3g} / {torch_path['encode_gbps']:.3g} "
                                f"= {ratio:.3g}{' ✗' if ratio > 5 else ''} |")
     assert bench_torch_path.kernel_comparison([r for r in rows if r["backend"] == "torch"]) == []
+
+
+
+_FAULTS_SCRIPT = """
+import os, resource, sys, torch
+import peak_memory
+
+def faults_per_block(blocks=20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(blocks):
+        torch.ones(1 << 20)  # 4 MiB, filled and freed
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / blocks
+
+faults_per_block()  # the heap grows to hold a block where it may
+result = {"argv": sys.argv[1:], "faults": faults_per_block(), "pin": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
+if peak_memory.is_timing_child():
+    try:
+        peak_memory.peak_step_bytes(lambda: None)
+    except RuntimeError as error:
+        result["peak_error"] = str(error)
+    peak_memory.write_timings(result)
+else:
+    print(result["faults"])
+"""
+
+
+def test_timing_child_times_without_the_pin_that_faults_every_large_block(tmp_path, monkeypatch):
+    """Peak benchmarks pin glibc's mmap threshold: each 4 MiB block then faults its 1024 pages in afresh, a cost
+    no user's step has. timing_child runs the script without the pin (blocks reused: no faults), returns what
+    it wrote, and refuses to measure peaks there."""
+    import peak_memory
+
+    script = tmp_path / "faults.py"
+    script.write_text(_FAULTS_SCRIPT)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "benchmarks"))
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", peak_memory.MMAP_THRESHOLD)  # as in a pinned benchmark
+    pinned = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert pinned.returncode == 0, pinned.stderr[-2000:]
+    assert float(pinned.stdout) > 900
+    child = peak_memory.timing_child(script, ["--quick", "x"], timeout=120)
+    assert child["argv"] == ["--quick", "x"] and child["pin"] is None
+    assert child["faults"] < 50
+    assert "timing child" in child["peak_error"]
