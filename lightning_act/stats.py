@@ -26,7 +26,9 @@ class TensorRecord(NamedTuple):
     original_bytes: int
     stored_bytes: int
     reason: str = ""
-    phase: str = "forward"  # or "recompute": saved while a checkpoint recomputed its segment in backward
+    # or "recompute": saved while a checkpoint recomputed its segment in backward; or "compiled": saved inside a
+    # compiled graph (recorded when its backward decodes it)
+    phase: str = "forward"
     offloaded: bool = False  # stored in host memory (swap), not on the device
     error_bound: float | None = None  # the codec's absolute error bound, for error-bounded codecs
 
@@ -51,7 +53,7 @@ class CompressionStats:
     @property
     def device_bytes(self) -> int:
         """Stored bytes kept on the device between forward and backward (not swapped, not recomputed)."""
-        return sum(r.stored_bytes for r in self.records if not r.offloaded and r.phase == "forward")
+        return sum(r.stored_bytes for r in self.records if not r.offloaded and r.phase != "recompute")
 
     @property
     def offloaded_bytes(self) -> int:

@@ -193,8 +193,11 @@ def test_eager_code_between_compiled_graphs_runs_the_engine():
     compressor = act.ActivationCompressor(net, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
     grads = _gradients(model, lambda: _compressed(compressor, net)(x))
     assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.999
-    phases = {r.phase for r in compressor.stats().records if r.kind == "compressed"}
+    stats = compressor.stats()
+    phases = {r.phase for r in stats.records if r.kind == "compressed"}
     assert phases == {"forward", "compiled"}
+    # what both kinds of region keep on the device between forward and backward
+    assert stats.device_bytes == sum(r.stored_bytes for r in stats.records) > 0
 
 
 def test_an_attention_mask_the_backward_reads_is_kept_exact():
