@@ -7,6 +7,7 @@ group holding both +0 and -0 depends on torch's reduction order (it is not a rul
 by value.
 """
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -489,6 +490,26 @@ def test_backend_choice(monkeypatch, codec, backend, device, cupy_importable, ex
     if codec == "quantize group 16384" or (codec == "lorenzo" and dtype == torch.float64):
         expected = False  # a format the kernels do not take: the torch path (also on CUDA), with either backend
     assert CODECS[codec](backend).runs_kernels(_tensor_on(device, dtype)) is expected
+
+
+def test_cuda_tensors_without_cupy_warn_once_that_they_take_the_torch_path(monkeypatch):
+    """A GPU user without CuPy is told once per process why compression is slow and how to install the kernels;
+    CPU tensors and backend='torch' (the path chosen) are not warned about."""
+    from lightning_act.codecs import backend
+
+    monkeypatch.setattr(cuda_pkg, "cupy_available", lambda: False)
+    monkeypatch.setattr(backend, "_warned_torch_path_on_cuda", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not QuantizeCodec(bits=4, backend="torch").runs_kernels(_tensor_on("cuda:0", torch.float32))
+        assert not QuantizeCodec(bits=4).runs_kernels(_tensor_on("cpu", torch.float32))
+        assert caught == []
+        for codec in CODECS:
+            assert not CODECS[codec]("auto").runs_kernels(_tensor_on("cuda:0", torch.float32))
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "CuPy is not installed" in message and "pip install 'lightning-act[cuda13]'" in message
+    assert "backend='torch'" in message
 
 
 def test_backend_cupy_refuses_cpu_tensors(monkeypatch):

@@ -5,6 +5,8 @@ path through ``torch.compile`` where a format has a compiled pipeline (quantize:
 reference elsewhere; never the kernels."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .. import cuda
@@ -42,4 +44,23 @@ def uses_kernels(backend: str, t: torch.Tensor, supported: bool = True) -> bool:
             raise ValueError(f"backend='cupy' runs on {where} tensors; got a tensor on {t.device} "
                              f"(use backend='auto' or 'torch' for CPU tensors)")
         return True
-    return t.device.type == device_type and (override is not None or cuda.cupy_available())
+    if t.device.type != device_type:
+        return False
+    if override is None and not cuda.cupy_available():
+        _warn_torch_path_on_cuda()
+        return False
+    return True
+
+
+_warned_torch_path_on_cuda = False
+
+
+def _warn_torch_path_on_cuda() -> None:
+    """Say once per process that CUDA activations take the torch path because CuPy is missing: it stores the same
+    bits, several times more slowly than the kernels (what a user would otherwise only see in the step time)."""
+    global _warned_torch_path_on_cuda
+    if not _warned_torch_path_on_cuda:
+        _warned_torch_path_on_cuda = True
+        warnings.warn("lightning_act: CuPy is not installed, so activations on CUDA are compressed by the pure-torch "
+                      f"path, several times slower than the CUDA kernels: {cuda.INSTALL_HINT}. "
+                      "ACTConfig(backend='torch') chooses that path and silences this warning.", stacklevel=3)
