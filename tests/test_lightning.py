@@ -58,6 +58,24 @@ def test_fixed_bits_without_auto_precision():
     assert _bits_by_codec(trainer.strategy.compressor.stats()) == {"quantize": {4.0}, "positive_mask": {1.0}}
 
 
+def test_a_module_the_user_compiled_is_compressed_inside_its_graphs():
+    """``trainer.fit(torch.compile(model))``: Lightning unwraps the module and compiles its forward in place; the
+    strategy's compressor then compresses inside the compiled graphs (not after each compiled forward, which would
+    hold every activation at full size first), and auto-precision leaves them at the config's bits."""
+    torch.manual_seed(0)
+    model = TinyCNN()
+    before = _params(model)
+    trainer = L.Trainer(strategy="act", **TRAINER_ARGS)
+    trainer.fit(torch.compile(model), random_loader())
+    assert not torch.equal(before, _params(model))
+    compressor = trainer.strategy.compressor
+    assert compressor.graph_hooks is not None
+    stats = compressor.stats()
+    compiled = [r for r in stats.records if r.phase == "compiled"]
+    assert compiled and {(r.codec, r.bits) for r in compiled if r.dtype != torch.bool} == {("quantize", 4.0)}
+    assert stats.ratio > 3
+
+
 def test_manual_optimization():
     torch.manual_seed(0)
     model = TinyCNN(manual=True)
