@@ -31,9 +31,11 @@ parameters, outputs of the region).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
@@ -338,11 +340,23 @@ def _unpack(packed, owner: int) -> torch.Tensor:
     return values if inverse is None else values.permute(inverse)
 
 
-def _hook_module(fn, owner: int) -> torch.fx.GraphModule:
+@functools.cache
+def _source_hash() -> str:
+    """A hash of this package's Python sources: what the traced hooks emit is decided by them."""
+    package = Path(__file__).resolve().parent
+    return get_hash_for_files(tuple(sorted(str(f) for f in package.rglob("*.py")))).hex()
+
+
+def _hook_module(fn, owner: int, settings: tuple) -> torch.fx.GraphModule:
     """A GraphModule whose graph is ``fn(x, owner)``: AOTAutograd traces it per saved tensor (``fn`` sees fake
-    tensors and emits the ops it decides on); eager autograd calls it with real ones."""
+    tensors and emits the ops it decides on); eager autograd calls it with real ones. Its node carries a cache
+    hash (the package's sources and the compressor's ``settings``), so AOTAutograd's cache may keep the compiled
+    graphs across processes: a graph calling an unknown function is compiled again in every process otherwise
+    (seconds to a minute per model, every run and every rank). ``owner`` is in the graph's code, so in the key."""
     graph = torch.fx.Graph()
-    graph.output(graph.call_function(fn, (graph.placeholder("x"), owner)))
+    node = graph.call_function(fn, (graph.placeholder("x"), owner))
+    node.meta.update(is_wrapped=True, user_cache_hash=f"{_source_hash()}:{settings!r}")
+    graph.output(node)
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     # Called straight, past nn.Module's call machinery (a GraphModule's class is its own), and skipped by dynamo:
     # eager code of a compiled model calls the hooks while dynamo evaluates frames, and it would compile the
@@ -364,8 +378,9 @@ class GraphHooks:
         self.masks = config.enabled and config.compress_masks
         self.group_size, self.min_numel = config.group_size, max(config.min_numel, 1)
         self.stats_dtype = STATS_DTYPES[config.stats_dtype]
-        self.pack = _hook_module(_pack, self.owner)
-        self.unpack = _hook_module(_unpack, self.owner)
+        settings = (self.bits, self.masks, self.group_size, self.min_numel, self.stats_dtype)  # pack_traced's
+        self.pack = _hook_module(_pack, self.owner, settings)
+        self.unpack = _hook_module(_unpack, self.owner, settings)
         install_sink_pass()
 
     @property

@@ -493,3 +493,48 @@ def test_auto_precision_skips_its_rounds_for_a_compiled_model():
         raise AssertionError("a round ran")
 
     assert auto.maybe_adapt(0, step) is False and auto.rounds == 0
+
+
+_CACHED_STEP = """
+import json, sys, torch
+from torch import nn
+from torch._dynamo.utils import counters
+import lightning_act as act
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Dropout(0.25), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+net = torch.compile(model)
+compressor = act.ActivationCompressor(net, act.ACTConfig(bits=int(sys.argv[1]), adaptive=False, min_numel=1024))
+with compressor.compress():
+    loss = net(torch.randn(64, 16)).square().mean()
+loss.backward()
+print(json.dumps({"cache": dict(counters["aot_autograd"]),
+                  "records": sorted([r.codec, r.bits, r.original_bytes, r.stored_bytes, r.phase]
+                                    for r in compressor.stats().records),
+                  "grads": [p.grad.double().sum().item() for p in model.parameters()]}))
+"""
+
+
+def test_compiled_graphs_come_from_aotautograds_cache_in_a_new_process_keyed_by_the_config(tmp_path):
+    """The hooks carry a cache hash, so a second process loads the compiled graphs (no tracing: seconds to a
+    minute per model) and compresses exactly as the first; a config the hooks decide by (bits) misses the cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def step(bits: int) -> dict:
+        result = subprocess.run([sys.executable, "-c", _CACHED_STEP, str(bits)], env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    first, second, other = step(4), step(4), step(2)
+    assert first["cache"].get("autograd_cache_saved") == 1 and "autograd_cache_hit" not in first["cache"]
+    assert second["cache"].get("autograd_cache_hit") == 1
+    assert second["records"] == first["records"] and sum(r[4] == "compiled" for r in first["records"]) >= 3
+    assert second["grads"] == first["grads"]
+    assert "autograd_cache_hit" not in other["cache"]
+    assert {r[1] for r in other["records"] if r[0] == "quantize"} == {2.0}
