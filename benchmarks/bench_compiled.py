@@ -83,7 +83,8 @@ def step_seconds(model_key: str, configs: list[str], repeats: int, warmup: int) 
     return take_turns(model_key, configs, repeats, warmup, Run.step)[1]
 
 
-def measure(model_key: str, configs: list[str], repeats: int, warmup: int, seconds: dict[str, list[float]]) -> list[dict]:
+def measure(model_key: str, configs: list[str], repeats: int, warmup: int,
+            seconds: dict[str, list[float]]) -> list[dict]:
     """The rows of one model: peaks measured here, ``seconds`` from ``step_seconds`` in a timing child."""
     name, _, batch, _ = MODELS[model_key]
     runs, peaks, compile_s = take_turns(model_key, configs, repeats, warmup, lambda run: peak_step_bytes(run.step))

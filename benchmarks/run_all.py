@@ -14,8 +14,8 @@ How each number is measured (CPU, the pure-torch codecs):
   (``peak_memory.py``: VmHWM reset around the step, glibc's mmap threshold pinned so freed tensors leave the
   RSS). Step times come from a child process that builds the same models and runs the same turns without the
   pin (``peak_memory.timing_child``: under it every large block faults its pages in afresh, a cost no user's
-  process has). Medians over the repetitions. Saved/stored bytes come from ``compressor.stats()`` (the baseline's from
-  an uncompressed ``L0`` compressor on one extra step).
+  process has). Medians over the repetitions. Saved/stored bytes come from ``compressor.stats()`` (the
+  baseline's from an uncompressed ``L0`` compressor on one extra step).
 - Run on its own: a GCN over a sparse adjacency, where compression moves the peak, ``bench_gnn_sparse.py``.
 - Max batch: ``bench_max_batch.py``: per (model, configuration) a fresh child process searches the largest
   batch whose trial (build the model and batch, one training step) peaks at or below the budget, in allocator

@@ -502,7 +502,8 @@ from torch._dynamo.utils import counters
 import lightning_act as act
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Dropout(0.25), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+model = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Dropout(0.25), nn.Linear(256, 256), nn.Tanh(),
+                      nn.Linear(256, 4))
 net = torch.compile(model)
 compressor = act.ActivationCompressor(net, act.ACTConfig(bits=int(sys.argv[1]), adaptive=False, min_numel=1024))
 with compressor.compress():
