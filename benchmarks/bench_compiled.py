@@ -143,7 +143,8 @@ def main(argv=None) -> int:
         "Peak: a step's resident-set growth, glibc's mmap threshold pinned at 64 KiB; step ms: the same turns in a "
         "child process with glibc's own thresholds (`peak_memory.timing_child`: the pin makes every large block "
         "fault its pages in afresh, which costs the step that allocates more blocks time no user's process spends); "
-        "first step s: the pinned process's first step (the compiled rows load the graphs the timing child compiled from the compile caches).",
+        "first step s: the pinned process's first step (the compiled rows load the graphs the timing child "
+        "compiled from the compile caches).",
         f"Command: `python benchmarks/bench_compiled.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
         f"{machine()}; {(time.perf_counter() - started) / 60:.1f} min.",
         f"Other processes used {busy['other_cores']:.2f} of the {busy['cpus']} CPUs on average while this ran "
