@@ -141,7 +141,10 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
     if pad:  # the last group padded with copies of the last element (its min and max unchanged), as the format
         flat = torch.cat([flat, flat[-1:].expand(pad)])
     key = torch.randint(-(1 << 31), (1 << 31) - 1, (1,), dtype=torch.int32, device=x.device)
-    # quantize_groups' counter: first element 0, the key for every element, no wrap of the low word
+    # quantize_groups' counter: first element 0, the key for every element, no wrap of the low word. The noise is
+    # then a pure function of the element index, and inductor schedules each encode soon after the op that makes
+    # the tensor, which is then freed. With per-element random ops (inductor's own tried) the encodes stayed at
+    # the forward's end and the step peaked as the uncompressed one (test_the_compiled_steps_peak_falls).
     counter = torch.cat([torch.zeros(1, dtype=torch.int32, device=x.device), key, key,
                          torch.full((1,), MAX_NUMEL, dtype=torch.int32, device=x.device)])
     levels = torch.full((), float((1 << bits) - 1), device=x.device)  # a tensor, as quantize_groups divides by it
