@@ -61,6 +61,7 @@ MAX_NUMEL = (1 << 31) - 1
 KEPT, QUANTIZE, BITS = "kept", "quantize", "bits"
 _OWNERS: weakref.WeakValueDictionary[int, GraphHooks] = weakref.WeakValueDictionary()
 _OWNER_IDS = itertools.count()
+_aten = torch.ops.aten
 
 
 def supported() -> bool:
@@ -202,8 +203,7 @@ def restore_signs(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 
 # backward ops that test a saved tensor's sign, the tensor at args[index], compared with args[threshold] == 0
-_SIGN_TESTS = {torch.ops.aten.le.Scalar: (0, 1), torch.ops.aten.gt.Scalar: (0, 1),
-               torch.ops.aten.threshold_backward.default: (1, 2)}
+_SIGN_TESTS = {_aten.le.Scalar: (0, 1), _aten.gt.Scalar: (0, 1), _aten.threshold_backward.default: (1, 2)}
 
 
 def _backward_placeholder(context: dict | None) -> torch.fx.Node | None:
@@ -229,9 +229,8 @@ def backward_tests_sign(context: dict | None) -> bool:
 # with -inf decodes to NaN, one with -3.4e38 moves its zeros by ~1e36), and the rows' log-sum-exp rescales each row
 # of recomputed probabilities, exp(scores - lse), by e^-d for an error d. Both as the eager engine's SDPA rule.
 _EXACT_ATTENTION_ARGUMENTS = frozenset({"attn_mask", "attn_bias", "bias", "logsumexp"})
-_aten = torch.ops.aten
-_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-                    torch.ops.aten.permute.default, torch.ops.aten.alias.default})
+_VIEWS = frozenset({_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
+                    _aten.alias.default})
 _VIEWS_AND_EXPANDS = _VIEWS | {_aten.expand.default}
 
 
