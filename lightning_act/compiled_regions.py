@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch._inductor import config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._subclasses.fake_tensor import is_fake
 
 from .codecs._chunks import chunk_elements, spans
@@ -457,19 +457,29 @@ def _sink_decodes(graph: torch.fx.Graph) -> None:
 
 
 def install_sink_pass() -> None:
-    """Add :class:`SinkDecodes` to inductor's post-grad passes, beside any the user set (once per process: a
-    backward compiles lazily, after the forward's configuration context has ended)."""
-    passes = get_custom_graph_passes(inductor_config.post_grad_custom_post_pass)
-    if not any(isinstance(p, SinkDecodes) for p in passes):
-        inductor_config.post_grad_custom_post_pass = (*passes, SinkDecodes()) if passes else SinkDecodes()
+    """Make :class:`SinkDecodes` inductor's post-grad pass, running after any pass the user set (once per process:
+    a backward compiles lazily, after the forward's configuration context has ended)."""
+    current = inductor_config.post_grad_custom_post_pass
+    before = tuple(current) if isinstance(current, (list, tuple)) else () if current is None else (current,)
+    if not any(isinstance(p, SinkDecodes) for p in before):
+        # one pass, never a tuple: torch 2.11's inductor takes a single post-grad pass
+        inductor_config.post_grad_custom_post_pass = SinkDecodes(before)
 
 
 class SinkDecodes(CustomGraphPass):
     """Inductor post-grad pass: each decode of a compiled region's saved tensor runs right before its first
-    reader (:func:`_sink_decodes`), so the backward holds one decoded activation at a time."""
+    reader (:func:`_sink_decodes`), so the backward holds one decoded activation at a time. ``before``: the passes
+    it found set, run first."""
+
+    def __init__(self, before: tuple = ()):
+        self.before = before
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        for custom_pass in self.before:
+            custom_pass(graph)
         _sink_decodes(graph)
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+    def uuid(self) -> bytes | None:
+        # None (inductor then compiles without its cache) when a pass run first has no uuid: as for that pass alone
+        ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.before]
+        return None if None in ids else get_hash_for_files((__file__,), extra=repr(ids))

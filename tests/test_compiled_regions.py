@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import lightning_act as act
 from lightning_act import compiled_regions
@@ -119,6 +121,44 @@ def test_each_decode_moves_right_before_its_first_reader():
     graph.output(added)
     compiled_regions.SinkDecodes()(graph)
     assert [n.name for n in graph.nodes][4:] == [squared.name, decoded.name, view.name, added.name, "output"]
+
+
+class _CountingPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return b"counting"
+
+
+@pytest.mark.parametrize("user_pass", ["none", "callable", "custom pass", "tuple"])
+def test_the_sink_pass_is_one_pass_that_runs_the_users_first(user_pass):
+    """One pass, never a tuple (torch 2.11's inductor takes a single post-grad pass); any pass the user set runs
+    before it, and inductor's cache is bypassed exactly when it would be for the user's pass alone."""
+    calls = []
+    counting = _CountingPass()
+    before = {"none": None, "callable": lambda graph: calls.append(graph), "custom pass": counting,
+              "tuple": (counting, _CountingPass())}[user_pass]
+    with inductor_config.patch(post_grad_custom_post_pass=before):
+        compiled_regions.install_sink_pass()
+        installed = inductor_config.post_grad_custom_post_pass
+        compiled_regions.install_sink_pass()  # once
+        assert inductor_config.post_grad_custom_post_pass is installed
+    assert isinstance(installed, compiled_regions.SinkDecodes)
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder("x"))
+    installed(graph)
+    assert (len(calls), counting.calls) == {"none": (0, 0), "callable": (1, 0), "custom pass": (0, 1),
+                                             "tuple": (0, 1)}[user_pass]
+    uuid = installed.uuid()
+    if user_pass == "callable":
+        assert uuid is None
+    else:
+        assert isinstance(uuid, bytes) and uuid == compiled_regions.SinkDecodes(installed.before).uuid()
+        assert uuid != compiled_regions.SinkDecodes((_CountingPass(), counting, counting)).uuid()
 
 
 @pytest.mark.parametrize("autocast, dtype", [(None, torch.float32), (torch.bfloat16, torch.float32),
