@@ -11,28 +11,43 @@
 #    checkpointing), then BERT-base and ResNet-50 torch.compile'd (alone, 4-bit inside its graphs, with torch
 #    checkpointing),
 #    then the other models and configurations in the time left.
-# Every report is rewritten as its rows arrive, so a run cut short keeps what it measured. Results go to $OUT (the
-# device tool's folder) or benchmarks/results; copy them into benchmarks/results and commit them.
+# Every report is rewritten as its rows arrive, so a run cut short keeps what it measured. Results go to
+# benchmarks/results, or where the device tool's $OUT is set, to one archive there, $OUT/gpu_results.tgz, packed
+# again after every stage (the tool brings back at most 8 files); unpack it into benchmarks/results and commit.
 set -u
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results}"
+if [ -n "${OUT:-}" ]; then out=$(mktemp -d); else out=benchmarks/results; fi
 deadline=$(( $(date +%s) + ${1:-500} ))
 left() { echo $(( deadline - $(date +%s) )); }
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu_results.tgz.part" -C "$out" . && mv "$OUT/gpu_results.tgz.part" "$OUT/gpu_results.tgz"; }
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this working tree's package: nothing to install (offline)
 { nvidia-smi; python -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'cupy', cupy.__version__)"; } \
     > "$out/gpu_env.txt" 2>&1
-timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" > "$out/gpu_checks.log" 2>&1
+timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" --host-profile "$out/gpu_host_profile.txt" \
+    > "$out/gpu_checks.log" 2>&1
 echo "check_gpu.py: exit $?, $(left) s left"
-# the torch path (what a GPU user without CuPy runs) beside the kernels, per codec and dtype: issue #20's "within 5x"
-timeout 120 python benchmarks/bench_torch_path.py --device cuda --repeats 3 --compiled \
+# the CPU proxy of the host check on this machine's CPU (no-op kernels): what the real launches add to it
+timeout 60 python benchmarks/bench_host_overhead.py --quick --out "$out/gpu_host_overhead_proxy.md" \
+    > "$out/gpu_host_overhead_proxy.log" 2>&1
+pack
+# the torch path (what a GPU user without CuPy runs) beside the kernels, per codec and dtype: issue #20's "within
+# 5x" (a bare --compiled: no compiled pipeline here, each variant compiles for seconds), then the compiled pipeline
+# (backend="compile") of two codecs; a report is written when its run ends
+timeout 90 python benchmarks/bench_torch_path.py --device cuda --repeats 3 --compiled \
     --out "$out/torch_path_gpu.md" > "$out/torch_path_gpu.log" 2>&1
 echo "bench_torch_path.py --device cuda: exit $?, $(left) s left"
+pack
+timeout 120 python benchmarks/bench_torch_path.py --device cuda --repeats 3 --codecs "quantize 4-bit" division \
+    --dtypes float32 bfloat16 --out "$out/torch_path_gpu_compiled.md" > "$out/torch_path_gpu_compiled.log" 2>&1
+echo "bench_torch_path.py --device cuda, compiled: exit $?, $(left) s left"
+pack
 # --time-budget stops starting configurations; timeout ends one still running (its rows so far are written)
 core=$(( $(left) / 2 ))
 timeout "$core" python benchmarks/bench_gpu.py --time-budget $(( core - 60 )) --models bert-base resnet50 \
     --configs baseline L1 4-bit "torch checkpoint" CB1 2-bit --out "$out/gpu.md" > "$out/bench_gpu.log" 2>&1
 echo "bench_gpu.py, issue #20's rows: exit $?, $(left) s left"
+pack
 # torch.compile'd BERT-base, then ResNet-50 while time lasts: compressed inside the graphs against the compiled model
 # alone (each configuration compiles first)
 compiled=$(( $(left) * 2 / 3 ))
@@ -41,6 +56,7 @@ if [ "$compiled" -gt 120 ]; then
         --configs baseline compiled "compiled, 4-bit" "compiled, torch checkpoint" --out "$out/gpu_compiled.md" \
         > "$out/bench_gpu_compiled.log" 2>&1
     echo "bench_gpu.py, compiled rows: exit $?, $(left) s left"
+    pack
 fi
 if [ "$(left)" -gt 90 ]; then
     timeout "$(left)" python benchmarks/bench_gpu.py --time-budget $(( $(left) - 60 )) \
@@ -49,5 +65,6 @@ if [ "$(left)" -gt 90 ]; then
         "lorenzo eb=1e-2" CB2 \
         "torch checkpoint" "memory budget" save_on_cpu --out "$out/gpu_more.md" > "$out/bench_gpu_more.log" 2>&1
     echo "bench_gpu.py, the other rows: exit $?, $(left) s left"
+    pack
 fi
 tail -n 4 "$out/gpu_checks.md" "$out/torch_path_gpu.md" "$out/gpu.md" "$out/gpu_compiled.md" 2>/dev/null

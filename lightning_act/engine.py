@@ -677,8 +677,11 @@ class ActivationCompressor:
             nbytes, swapped = packed.nbytes, None
             if self.swap_store is not None and step.phase == "forward":  # recomputed tensors live briefly
                 swapped, packed = self.swap_store.put(step.number, index, packed), None
-            records.append(_new_record((index, shape, dtype, COMPRESSED, name, codec.bits_per_element(unit, packed),
-                                    original, nbytes, "", step.phase, swapped is not None, codec.error_bound)))
+            record = _new_record((index, shape, dtype, COMPRESSED, name, codec.bits_per_element(unit, packed),
+                                  original, nbytes, "", step.phase, swapped is not None, codec.error_bound))
+            records.append(record)
+            if codec.shrinks_later and packed is not None:
+                packed.on_resize = functools.partial(_record_resize, records, record)
             saved = _new_saved((_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side,
                                 ticket))
         if entry is None:  # a kept tensor holds its storage alive; else a weak reference tells a freed one
@@ -747,6 +750,15 @@ class ActivationCompressor:
             size, stride, offset = saved.geometry
             return out.as_strided(size, stride, offset)
         return out if out.shape == saved.shape else out.view(saved.shape)
+
+
+def _record_resize(records: list[TensorRecord], record: TensorRecord, nbytes: int) -> None:
+    """A compressed form shrank after its record was made (``Codec.shrinks_later``): its stored bytes and bits per
+    element become the new size's. Runs once per form, off the pack hook."""
+    position = record.index if record.index < len(records) and records[record.index] is record else next(
+        i for i, r in enumerate(records) if r is record)
+    bits = record.bits * nbytes / record.stored_bytes if record.stored_bytes else record.bits
+    records[position] = record._replace(stored_bytes=nbytes, bits=bits)
 
 
 def _sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -255,6 +255,43 @@ def test_the_gpu_session_script_names_only_models_and_configurations_bench_gpu_h
             assert end > start and all(name in known for name in words[start:end]), words[start:end]
 
 
+def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_paths(tmp_path, monkeypatch):
+    """gpu_session.sh with a stand-in ``python`` (it logs each call and writes each ``--out``): with the device
+    tool's $OUT set, every report comes back in one archive (the tool returns at most 8 files), and its
+    bench_torch_path.py calls, parsed by that script, measure the compiled pipelines of two codecs too."""
+    import shlex
+    import tarfile
+
+    import bench_torch_path
+
+    stand_in, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
+    stand_in.mkdir()
+    out.mkdir()
+    (stand_in / "python").write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {calls}; echo >> {calls}\n'
+                                     'while [ $# -gt 0 ]; do [ "$1" = --out ] && echo rows > "$2"; shift; done\n')
+    (stand_in / "python").chmod(0o755)
+    env = {"PATH": f"{stand_in}:/usr/bin:/bin", "OUT": str(out), "HOME": str(tmp_path)}
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "500"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_results.tgz"]
+    with tarfile.open(out / "gpu_results.tgz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+    assert {"gpu_checks.md", "torch_path_gpu.md", "torch_path_gpu_compiled.md", "gpu.md", "gpu_compiled.md",
+            "gpu_more.md"} <= names
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_torch_path, "measure", lambda *args, **kwargs: asked.append(kwargs) or [])
+    monkeypatch.setattr(bench_torch_path, "report", lambda *args: "")
+    for line in calls.read_text().splitlines():
+        if "bench_torch_path.py" in line:
+            words = shlex.split(line)
+            words[words.index("--out") + 1] = str(tmp_path / "torch_path.md")
+            bench_torch_path.main(words[1:])
+    assert [(a["device"], a["codecs"], a["compiled"]) for a in asked] == [
+        ("cuda", tuple(bench_torch_path.CODECS), ()), ("cuda", ("quantize 4-bit", "division"),
+                                                       bench_torch_path.COMPILED)]
+
+
 def test_bench_gpu_writes_every_row_as_it_goes_and_keeps_to_its_time_budget(tmp_path):
     """A run cut short keeps its figures: ``run`` hands the rows so far (with the baseline-relative figures) to
     ``on_row`` after each one; configurations not started by the deadline are listed as not run, and with no

@@ -202,6 +202,35 @@ def test_payloads_are_trimmed_in_order_once_their_encode_completed(runner, fake_
 
 @pytest.mark.toolchain
 @requires_gxx
+def test_the_steps_records_follow_the_trims(runner, fake_trims):
+    """The engine records a form's reservation at encode and its trimmed size once the trim ran: after the
+    backward (whose decodes poll the queue) the stats equal the torch path's byte for byte, not the raw size."""
+    import lightning_act as act
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                torch.nn.Tanh(), torch.nn.Linear(256, 4))
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    stats = {}
+    for backend in ("cupy", "torch"):
+        with use_runner(runner):  # the emulator stands in for the GPU
+            compressor = act.ActivationCompressor(model, act.ACTConfig(codec="lorenzo", error_bound=1e-2,
+                                                                       backend=backend, min_numel=1024))
+            with compressor.compress():
+                loss = model(x).square().mean()
+            for event in fake_trims.ops.recorded():
+                event.done = True
+            loss.backward()
+        stats[backend] = compressor.stats()
+    assert len(fake_trims) == 0 and len(fake_trims.ops.recorded()) == 3  # the input and the two Tanh outputs
+    trimmed, torch_path = ([(r.shape, r.stored_bytes, r.bits) for r in stats[b].records if r.kind == "compressed"]
+                           for b in ("cupy", "torch"))
+    assert trimmed == torch_path and len(trimmed) == 3
+    assert stats["cupy"].stored_bytes == stats["torch"].stored_bytes
+    assert stats["cupy"].ratio > 2.0  # the reservation would read about 1.0
+
+
+@pytest.mark.toolchain
+@requires_gxx
 def test_trim_slots_and_events_are_reused(runner, fake_trims):
     """Tracking allocates host slots (and events) a batch at a time and reuses each once its size was read: a
     thousand encodes, polled as they go, allocate once and record on few events."""

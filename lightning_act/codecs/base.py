@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -20,7 +20,8 @@ class Packed:
 
     ``buffers`` holds every tensor the compressed form keeps alive (payload, per-group statistics, ...): a dict,
     or a :class:`~lightning_act.cuda.launcher.OneBuffer` (the parts as views of one allocation, built on first
-    access); ``nbytes`` is their exact total, the number the engine reports as stored bytes.
+    access); ``nbytes`` is their exact total, the number the engine reports as stored bytes. A codec whose forms
+    shrink after encode (``Codec.shrinks_later``) calls ``on_resize(nbytes)`` when one does.
     """
 
     codec: str
@@ -29,6 +30,7 @@ class Packed:
     device: torch.device
     buffers: Mapping[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
+    on_resize: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -71,6 +73,9 @@ class Codec(ABC):
     # Whether ``encode`` may run on a side CUDA stream (``ACTConfig(side_stream=True)``): all its device work is
     # queued on the current stream and nothing it keeps on the host refers to that stream's progress.
     side_stream_safe: ClassVar[bool] = True
+    # Whether a form's ``nbytes`` may fall after ``encode`` returns (lorenzo's lazy trim on CUDA): the codec then
+    # calls the form's ``on_resize`` with its new size.
+    shrinks_later: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:

@@ -299,6 +299,8 @@ class PayloadTrims:
             layout = trimmed_layout(buffers.layout, size)
             with self.ops.use(stream):  # the copy is ordered after the encode, on its stream
                 packed.buffers = OneBuffer(buffers.data[:layout.total].clone(), layout)
+            if packed.on_resize is not None:
+                packed.on_resize(layout.nbytes)
 
     def __len__(self) -> int:
         return len(self._pending)
