@@ -66,6 +66,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch._C._autograd import DeviceType
+from torch.profiler import ProfilerActivity
 
 import lightning_act as act
 from lightning_act.adapt import AutoPrecision
@@ -329,8 +331,10 @@ def _synchronize(device: torch.device) -> None:
 class Runner:
     """Trains ``workload`` under each configuration in turn (same model, one AdamW) and measures it."""
 
-    def __init__(self, workload: Workload, device: torch.device, repeats: int, warmup: int):
+    def __init__(self, workload: Workload, device: torch.device, repeats: int, warmup: int,
+                 profile_dir: Path | None = None):
         self.workload, self.device, self.repeats, self.warmup = workload, device, repeats, warmup
+        self.profile_dir = profile_dir  # where each configuration's profiled step goes (None: not profiled)
         self.optimizer = torch.optim.AdamW(workload.model.parameters(), lr=1e-4)
         self.capacity_bytes: int | None = None  # set by run() once the optimizer state exists
         self.half = max(1, workload.size // 2)
@@ -370,6 +374,8 @@ class Runner:
                 _synchronize(self.device)
                 seconds.append(time.perf_counter() - started)
             row["step_ms"] = 1e3 * statistics.median(seconds)
+            if self.profile_dir is not None:
+                row.update(self.profiled(name, prepared, loss_fn))
             row["peak_mib"] = self.peak(prepared, loss_fn) / MiB
             if prepared.compressor is not None:
                 stats = prepared.compressor.stats()
@@ -394,6 +400,26 @@ class Runner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return row
+
+    def profiled(self, name: str, prepared: Prepared, loss_fn) -> dict:
+        """One more step under ``torch.profiler``: how long the device ran kernels in it (``kernel_ms``; with the
+        step time, whether the step waits for the GPU or for the host) and the ops that took the time, written to
+        ``profile_dir``."""
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as profile:
+            self.step(prepared, loss_fn)
+            _synchronize(self.device)
+        averages = profile.key_averages()
+        kernel_us = sum(e.self_device_time_total for e in averages
+                        if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+        slug = "_".join("".join(c if c.isalnum() else " " for c in f"{self.workload.name} {name}").split())
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        tables = [averages.table(sort_by=key, row_limit=30) for key in
+                  (("self_device_time_total", "self_cpu_time_total") if cuda else ("self_cpu_time_total",))]
+        (self.profile_dir / f"profile_{slug}.txt").write_text(
+            f"{self.workload.name}, {name}: one step under torch.profiler\n\n" + "\n".join(tables))
+        return {"kernel_ms": kernel_us / 1e3} if cuda else {}
 
     def saved_bytes(self, loss_fn) -> int:
         """Bytes the step's saved tensors hold uncompressed, counted by an ``L0`` compressor on one extra step."""
@@ -452,11 +478,13 @@ def capacity(device: torch.device, held: int, fixed_mib: float | None) -> int | 
 
 def run(workload: Workload, configs: list[str], device: torch.device, repeats: int, warmup: int,
         budget: str, capacity_mib: float | None, deadline: float | None = None,
-        on_row: Callable[[list[dict], list[str], dict], None] | None = None) -> tuple[list[dict], list[str], dict]:
+        on_row: Callable[[list[dict], list[str], dict], None] | None = None,
+        profile_dir: Path | None = None) -> tuple[list[dict], list[str], dict]:
     """Rows of one workload, the configurations not run (with why) and facts about the run. ``deadline``
     (``time.monotonic()``): configurations not started by then are listed as not run; ``on_row(rows, not_run,
-    facts)`` is called after each measured row with the figures so far (a run cut short keeps them)."""
-    runner = Runner(workload, device, repeats, warmup)
+    facts)`` is called after each measured row with the figures so far (a run cut short keeps them);
+    ``profile_dir``: each configuration also profiles a step there (:meth:`Runner.profiled`)."""
+    runner = Runner(workload, device, repeats, warmup, profile_dir)
     rows, not_run = [], []
     for name in configs:
         method, budget_bytes = METHODS[name], None
@@ -526,6 +554,7 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, command: str, args,
            final: bool = True) -> str:
+    kernels = any("kernel_ms" in r for r in rows)
     lines = [f"# GPU training steps: {env['device']}", "",
              *([] if final else ["**Partial: the run is still going (or was cut short); these are the rows measured "
                                  "so far.**", ""]),
@@ -536,19 +565,23 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
              "over forward, backward and optimizer step minus what was allocated before it, gradients freed "
              "before; `lightning_act.profiling.measure_step_memory`). time ×: median step time / the baseline's. "
              "ratio: saved / stored activation bytes (`stats().ratio`). max batch: where the line through the peaks "
-             "at the batch and at half of it reaches the capacity below; ×: over the baseline's.", "",
+             "at the batch and at half of it reaches the capacity below; ×: over the baseline's." +
+             (" kernels ms: the device's kernel time in one more step, under `torch.profiler` (a step longer than it "
+              "waits for the host; the profiles are in `--profile`'s folder)." if kernels else ""), "",
              "| model | batch | config | ratio | stored MiB | peak MiB | peak ÷ | step ms | time × | max batch | "
-             "max batch × |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "max batch × |" + (" kernels ms |" if kernels else ""), "|---|---|---|---|---|---|---|---|---|---|---|" +
+             ("---|" if kernels else "")]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['size']} | {r['config']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['size']} | {r['config']} | failed: {r['error']} | | | | | | | |" +
+                         (" |" if kernels else ""))
             continue
         stored = r.get("stored_mib")
         lines.append(
             f"| {r['model']} | {r['size']} | {r['config']} | {_fmt(r.get('ratio'), '.2f', 'x')} | "
             f"{_fmt(stored, '.1f')} | {r['peak_mib']:.1f} | {_fmt(r.get('peak_reduction'), '.2f')} | "
             f"{r['step_ms']:.1f} | {_fmt(r.get('time_ratio'), '.2f')} | {_fmt(r.get('max_batch'), '.0f')} | "
-            f"{_fmt(r.get('max_batch_ratio'), '.2f')} |")
+            f"{_fmt(r.get('max_batch_ratio'), '.2f')} |" + (f" {_fmt(r.get('kernel_ms'), '.1f')} |" if kernels else ""))
     lines += ["", "Capacity for the max-batch column (memory a step can use besides weights and optimizer state): " +
               "; ".join(f"{f['model']} {_fmt(f['capacity_mib'], '.0f', ' MiB')} ({f['params_m']:.1f}M parameters)"
                         for f in facts) + ".", ""]
@@ -594,6 +627,8 @@ def main(argv=None) -> int:
                         "GPU's free memory; --tiny: 64)")
     parser.add_argument("--time-budget", type=float, help="seconds: configurations (and models) not started by "
                         "then are listed as not run; the report is rewritten after every row either way")
+    parser.add_argument("--profile", type=Path, help="a folder: each configuration profiles one more step and "
+                        "writes its ops there (kernels ms: the device's kernel time in it)")
     parser.add_argument("--out", type=Path, help="markdown table (default: benchmarks/results/gpu.md on CUDA, "
                         "none with --tiny); the JSON rows go beside it")
     args = parser.parse_args(argv)
@@ -644,7 +679,7 @@ def main(argv=None) -> int:
         workload = WORKLOADS[key](device, args.tiny)
         found, skipped, fact = run(workload, configs, device, args.repeats, args.warmup, args.memory_budget,
                                    capacity_mib, deadline,
-                                   lambda r, n, f: write(r, n, [f], final=False))
+                                   lambda r, n, f: write(r, n, [f], final=False), args.profile)
         rows += found
         not_run += skipped
         facts.append(fact)

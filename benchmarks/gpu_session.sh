@@ -5,12 +5,14 @@
 #   bash benchmarks/gpu_session.sh [SECONDS]     # in all, default 500: give the device tool timeout_s=590
 #
 # 1. check_gpu.py: the kernels against the specification on the device, no host synchronisation, lorenzo's trim,
-#    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, host µs per saved tensor;
-#    then bench_torch_path.py --device cuda: each codec's torch path against its kernels (GB/s, how many times);
+#    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, host µs per saved tensor (and a
+#    cProfile of those hooks); bench_host_overhead.py --quick, the CPU proxy of that figure on this host; then
+#    bench_torch_path.py --device cuda: each codec's torch path, and two codecs' compiled pipeline, against the
+#    kernels (GB/s, how many times);
 # 2. bench_gpu.py, first the rows issue #20 judges (BERT-base and ResNet-50: baseline, L1, 4-bit, 2-bit, CB1, torch
-#    checkpointing), then BERT-base and ResNet-50 torch.compile'd (alone, 4-bit inside its graphs, with torch
-#    checkpointing),
-#    then the other models and configurations in the time left.
+#    checkpointing; each with a profiled step: its kernel time, its ops in profiles/), then BERT-base and ResNet-50
+#    torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing), then the other models and
+#    configurations in the time left.
 # Every report is rewritten as its rows arrive, so a run cut short keeps what it measured. Results go to
 # benchmarks/results, or where the device tool's $OUT is set, to one archive there, $OUT/gpu_results.tgz, packed
 # again after every stage (the tool brings back at most 8 files); unpack it into benchmarks/results and commit.
@@ -45,7 +47,8 @@ pack
 # --time-budget stops starting configurations; timeout ends one still running (its rows so far are written)
 core=$(( $(left) / 2 ))
 timeout "$core" python benchmarks/bench_gpu.py --time-budget $(( core - 60 )) --models bert-base resnet50 \
-    --configs baseline L1 4-bit "torch checkpoint" CB1 2-bit --out "$out/gpu.md" > "$out/bench_gpu.log" 2>&1
+    --configs baseline L1 4-bit "torch checkpoint" CB1 2-bit --out "$out/gpu.md" --profile "$out/profiles" \
+    > "$out/bench_gpu.log" 2>&1
 echo "bench_gpu.py, issue #20's rows: exit $?, $(left) s left"
 pack
 # torch.compile'd BERT-base, then ResNet-50 while time lasts: compressed inside the graphs against the compiled model

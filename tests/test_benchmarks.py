@@ -224,6 +224,25 @@ def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_pa
             assert budget["peak_mib"] <= 1.1 * budget["budget_mib"]  # met within 10%
 
 
+def test_bench_gpu_reports_the_kernel_time_of_profiled_rows():
+    """With --profile on CUDA each row has the device's kernel time in a profiled step: one more column."""
+    import argparse
+
+    import bench_gpu
+
+    rows = [{"model": "M", "size": 8, "config": c, "ratio": 1.0, "stored_mib": 10.0, "peak_mib": 12.0,
+             "peak_reduction": 1.0, "step_ms": 50.0, "time_ratio": 1.0, "max_batch": None, "kernel_ms": k}
+            for c, k in (("baseline", 41.5), ("4-bit", 60.25))]
+    env = {"device": "GPU", "torch": "2", "cuda": "13", "cupy": "cupy 14", "codecs": "CuPy kernels"}
+    args = argparse.Namespace(repeats=5, warmup=2, memory_budget="checkpoint")
+    lines = bench_gpu.report(rows, [], [], env, "cmd", args).splitlines()
+    table = [line for line in lines if line.startswith("| ")]
+    assert table[0].endswith("| kernels ms |") and table[1].endswith("| 41.5 |") and table[2].endswith("| 60.2 |")
+    assert all(line.count("|") == table[0].count("|") for line in table)
+    rows = [{k: v for k, v in r.items() if k != "kernel_ms"} for r in rows]
+    assert "kernels ms" not in bench_gpu.report(rows, [], [], env, "cmd", args)
+
+
 def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     """bench_gpu.py's compiled rows (named on the command line: each compiles the model; the peaks are
     tests/test_compiled_regions.py's): the 4-bit one stores compressed activations."""
@@ -231,12 +250,21 @@ def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     out = tmp_path / "gpu.md"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny", "--models",
                              "bert-base", "--configs", "baseline", "compiled, 4-bit", "--repeats", "2",
-                             "--warmup", "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                             "--warmup", "1", "--out", str(out), "--profile", str(tmp_path / "profiles")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert set(rows) == {"baseline", "compiled, 4-bit"}
     assert all("error" not in r for r in rows.values()), rows
     assert rows["compiled, 4-bit"]["ratio"] > 3 and rows["compiled, 4-bit"]["stored_mib"] < rows["baseline"]["stored_mib"]
+    # --profile: one profiled step per configuration, its ops by their own time (the backward's decodes among them)
+    profiles = {p.name: p.read_text() for p in (tmp_path / "profiles").iterdir()}
+    baseline, compressed = (next(text for name, text in profiles.items() if name.endswith(f"{suffix}.txt"))
+                            for suffix in ("_baseline", "_compiled_4_bit"))
+    assert len(profiles) == 2 and "aten::" in baseline and "lightning_act::dequantize" not in baseline
+    assert "lightning_act::dequantize" in compressed
+    assert all("kernel_ms" not in r for r in rows.values())  # no device here: no kernel time, no column
+    assert "kernels ms" not in out.read_text()
 
 
 def test_the_gpu_session_script_names_only_models_and_configurations_bench_gpu_has():
