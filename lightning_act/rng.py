@@ -103,15 +103,26 @@ def uniform24_codes_(base: int, start: int, out: torch.Tensor, scratch: torch.Te
 
     Within an aligned run of ``COUNTER_SPAN = 2**16`` indices, ``lo32(i) = A | j`` (``A`` the run's start, ``j <
     2**16``), so the hash's first step is one XOR of a counter: ``x = lo32(i) ^ K`` (``K = mix32(base ^
-    hi32(i))``) gives ``x ^ (x >> 16) = j ^ D ^ (D >> 16)`` with ``D = A ^ K``, a constant of the run.
+    hi32(i))``) gives ``x ^ (x >> 16) = j ^ D ^ (D >> 16)`` with ``D = A ^ K``, a constant of the run. Whole runs
+    under one ``hi32`` take one broadcast XOR with their constants (a GPU chunk holds 64 runs: one launch, not 64).
     """
     counter = _counter(out.device)
     pos, count = 0, out.numel()
     while pos < count:
         index = start + pos
         j = index % COUNTER_SPAN
+        key = mix32(base ^ (index >> 32))
+        runs = min(count - pos, (1 << 32) - (index & MASK32)) // COUNTER_SPAN if j == 0 else 0
+        if runs > 1:
+            d = torch.arange(index & MASK32, (index & MASK32) + runs * COUNTER_SPAN, COUNTER_SPAN,
+                             dtype=torch.int64, device=out.device).bitwise_xor_(key)
+            d ^= d >> 16
+            d = torch.where(d >= 1 << 31, d - (1 << 32), d).to(torch.int32)  # the words' bits as int32
+            torch.bitwise_xor(counter, d[:, None], out=out[pos : pos + runs * COUNTER_SPAN].view(runs, COUNTER_SPAN))
+            pos += runs * COUNTER_SPAN
+            continue
         n = min(count - pos, COUNTER_SPAN - j)
-        d = ((index - j) & MASK32) ^ mix32(base ^ (index >> 32))
+        d = ((index - j) & MASK32) ^ key
         torch.bitwise_xor(counter[j : j + n], _signed32(d ^ (d >> 16)), out=out[pos : pos + n])
         pos += n
     for multiplier in (_MUL1, _MUL2):

@@ -186,6 +186,38 @@ def test_backward_peak_holds_two_full_tensors_plus_chunks(layout, batch):
     assert peaks[True] <= full / 2 + 6 * chunk, {k: v / MiB for k, v in peaks.items()}
 
 
+def test_saved_entries_on_a_torch_without_per_entry_unpacking():
+    """Torch 2.11's saved entries have no ``unpack``: an entry packed by a hook is unpacked alone by that hook on
+    its packed form; entries saved without hooks are read through ``ctx.saved_tensors`` once per backward, so no
+    entry is unpacked twice (checkpoint refuses it)."""
+    from lightning_act.nn._chunks import SavedEntries
+
+    unpacked = []
+
+    class Entry:  # a SavedTensor of torch 2.11: its packed form and the unpack hook (None: saved without hooks)
+        def __init__(self, i, hooked):
+            self.data = ("packed", i) if hooked else torch.full((2,), float(i))
+            self.unpack_hook = (lambda packed: unpacked.append(packed[1]) or torch.full((2,), float(packed[1]))
+                                ) if hooked else None
+
+    class Ctx:
+        reads = 0
+
+        def __init__(self, hooked):
+            self._raw_saved_tensors = tuple(Entry(i, hooked) for i in range(3))
+
+        @property
+        def saved_tensors(self):
+            Ctx.reads += 1
+            return tuple(e.data for e in self._raw_saved_tensors)
+
+    hooked = SavedEntries(Ctx(hooked=True))
+    assert [float(hooked[i][0]) for i in (2, 0)] == [2.0, 0.0] and unpacked == [2, 0] and Ctx.reads == 0
+    plain = SavedEntries(Ctx(hooked=False))
+    assert [float(plain[i][0]) for i in (2, 0, 1, 2)] == [2.0, 0.0, 1.0, 2.0] and Ctx.reads == 1
+    assert float(SavedEntries(Ctx(hooked=False))[1][0]) == 1.0 and Ctx.reads == 2  # once per backward
+
+
 @pytest.mark.parametrize("train", [True, False])
 def test_torch_checkpoint_unpacks_each_saved_chunk_once(train):
     """Non-reentrant torch.utils.checkpoint refuses a second unpack: the two backward passes read separate

@@ -304,9 +304,10 @@ class _SavesChunksAndViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gx, gy):
-        from lightning_act.nn._chunks import unpack_saved
+        from lightning_act.nn._chunks import SavedEntries
 
-        _SavesChunksAndViews.decoded = [unpack_saved(ctx, i).untyped_storage().nbytes() for i in range(4)]
+        saved = SavedEntries(ctx)
+        _SavesChunksAndViews.decoded = [saved[i].untyped_storage().nbytes() for i in range(4)]
         return gx * 2, gy * 2
 
 

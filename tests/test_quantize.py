@@ -199,9 +199,12 @@ def test_rng_scalar_and_tensor_hash_agree_and_cross_32bit_boundary():
 
 
 @pytest.mark.parametrize("start, count", [(0, 1), (2**16 - 100, 300), (2**31 - 100, 300), (2**32 - 70000, 140000),
-                                          (3 * 2**31 - 5, 300), (2**40 + 5, 300)])
+                                          (3 * 2**31 - 5, 300), (2**40 + 5, 300), (0, 2**16), (0, 2**17),
+                                          (5 * 2**16 + 7, 20 * 2**16 + 3), (2**32 - 3 * 2**16 - 5, 7 * 2**16),
+                                          (2**33 - 2**17, 2**18 + 9)])
 def test_rng_int32_fast_path_matches_the_specification(start, count):
-    """int32 words with wraparound, runs of 2**16 indices, 2**32 boundaries: the specification's bits."""
+    """int32 words with wraparound, runs of 2**16 indices (alone, several at once, a ragged head and tail), 2**32
+    boundaries: the specification's bits."""
     base = rng.stream_base(3, 9)
     out, scratch = torch.empty(count, dtype=torch.int32), torch.empty(count, dtype=torch.int32)
     k = rng.uniform24_codes_(base, start, out, scratch)

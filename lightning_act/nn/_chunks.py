@@ -2,7 +2,7 @@
 
 ``ctx.save_for_backward(*x.split(rows))`` hands every chunk to the saved-tensor pack hook separately (under an
 ``ActivationCompressor`` each is compressed separately), but ``ctx.saved_tensors`` unpacks all of them at once:
-a backward that reads them through it holds the whole decoded tensor again. :func:`unpack_saved` unpacks one
+a backward that reads them through it holds the whole decoded tensor again. :class:`SavedEntries` unpacks one
 (autograd's version check included), so a backward that walks the chunks holds one decoded chunk at a time.
 """
 from __future__ import annotations
@@ -39,9 +39,26 @@ def row_bounds(n: int, rows: int) -> list[tuple[int, int]]:
     return [(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
-def unpack_saved(ctx, index: int) -> torch.Tensor:
-    """Saved tensor ``index`` of ``ctx`` alone (the pack hook's unpack runs for it only)."""
-    raw = getattr(ctx, "_raw_saved_tensors", None)
-    if raw is None or not hasattr(raw[index], "unpack"):  # a torch without per-tensor unpacking: correct, not bounded
-        return ctx.saved_tensors[index]
-    return raw[index].unpack()
+class SavedEntries:
+    """A backward's view of ``ctx``'s saved tensors: ``entries[i]`` unpacks entry ``i`` alone, so the pack hook's
+    unpack runs for it only. Torch 2.13 unpacks one entry with autograd's version check. Torch 2.11 has no such call:
+    there the entry's own unpack hook runs on its packed form (the compressor's hook checks versions itself), and
+    entries saved without hooks are all read at the first read, once per backward, never unpacked twice
+    (non-reentrant ``torch.utils.checkpoint`` refuses that). Made at the start of a backward and dropped with it."""
+
+    __slots__ = ("_ctx", "_raw", "_all", "_per_entry")
+
+    def __init__(self, ctx):
+        raw = getattr(ctx, "_raw_saved_tensors", None) or ()
+        self._ctx, self._raw, self._all = ctx, raw, None
+        self._per_entry = bool(raw) and hasattr(raw[0], "unpack")
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self._per_entry:
+            return self._raw[index].unpack()
+        hook = getattr(self._raw[index], "unpack_hook", None) if self._raw else None
+        if hook is not None:
+            return hook(self._raw[index].data)
+        if self._all is None:
+            self._all = self._ctx.saved_tensors
+        return self._all[index]

@@ -39,7 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats._bitpack import pack_bits, unpack_bits
 from .. import module_tree
-from ._chunks import DEFAULT_CHUNK_BYTES, chunk_rows, row_bounds, unpack_saved
+from ._chunks import DEFAULT_CHUNK_BYTES, SavedEntries, chunk_rows, row_bounds
 
 __all__ = ["BoundedSequential", "ResidualReLU", "conv_bn_act", "convert_bounded_cnn", "is_bounded",
            "unconvert_bounded_cnn"]
@@ -66,9 +66,9 @@ def _signs(out: torch.Tensor, rows: int, channels_last: bool) -> list[torch.Tens
     return [pack_bits(_memory_order(c, channels_last).reshape(-1) > 0) for c in out.split(rows)]
 
 
-def _sign(ctx, index: int, shape: torch.Size, channels_last: bool) -> torch.Tensor:
+def _sign(saved: SavedEntries, index: int, shape: torch.Size, channels_last: bool) -> torch.Tensor:
     stored = (shape[0], shape[2], shape[3], shape[1]) if channels_last else shape
-    return _logical(unpack_bits(unpack_saved(ctx, index), math.prod(shape)).view(stored), channels_last)
+    return _logical(unpack_bits(saved[index], math.prod(shape)).view(stored), channels_last)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -138,7 +138,8 @@ class _Fork(torch.autograd.Function):
         need_x, need_w, need_b, need_gamma, need_beta = ctx.needs_input_grad[:5]
         bounds, conv, x_at = ctx.bounds, ctx.conv, 2
         x_shape, x_dtype, x_cl = ctx.x_meta
-        weight, gamma = unpack_saved(ctx, 0), unpack_saved(ctx, 1)
+        saved = SavedEntries(ctx)
+        weight, gamma = saved[0], saved[1]
         wide = ctx.mean.dtype
         scale = ctx.invstd if gamma is None else ctx.invstd * _channel(gamma.to(wide))
         count = ctx.z_shape[0] * ctx.z_shape[2] * ctx.z_shape[3]
@@ -149,8 +150,8 @@ class _Fork(torch.autograd.Function):
             z_at, sign_at = ctx.passes[saved_pass]
             g = grad_out[start:stop]
             if ctx.relu:
-                g = torch.where(_sign(ctx, sign_at + i, g.shape, ctx.out_cl), g, 0)
-            z = _logical(unpack_saved(ctx, z_at + i), ctx.z_cl)
+                g = torch.where(_sign(saved, sign_at + i, g.shape, ctx.out_cl), g, 0)
+            z = _logical(saved[z_at + i], ctx.z_cl)
             return g.to(wide), (z.to(wide) - ctx.mean).mul_(ctx.invstd)
 
         if not need_x:
@@ -190,7 +191,7 @@ class _Fork(torch.autograd.Function):
                     continue
                 gz = gz.to(ctx.conv_dtype)
                 if ctx.saves_x:
-                    xi = _logical(unpack_saved(ctx, x_at + i), ctx.xc_cl)
+                    xi = _logical(saved[x_at + i], ctx.xc_cl)
                 else:  # the input gradient needs only the input's shape
                     xi = gz.new_empty(1).expand(stop - start, *x_shape[1:])
                 gxi, gwi, gbi = torch.ops.aten.convolution_backward(
@@ -260,10 +261,10 @@ class _AddReLU(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad = torch.empty_like(grad_out)
+        grad, saved = torch.empty_like(grad_out), SavedEntries(ctx)
         for i, (start, stop) in enumerate(ctx.bounds):
             g = grad_out[start:stop]
-            grad[start:stop] = torch.where(_sign(ctx, i, g.shape, ctx.cl), g, 0)
+            grad[start:stop] = torch.where(_sign(saved, i, g.shape, ctx.cl), g, 0)
         _OWNED[grad] = True
         # one tensor for both summands, as AddBackward hands out
         return grad.to(ctx.dtypes[0]), grad.to(ctx.dtypes[1]), None, None

@@ -51,7 +51,7 @@ from torch.nn.modules import module as module_globals
 
 from ..formats._bitpack import pack_bits, unpack_bits
 from .. import module_tree
-from ._chunks import DEFAULT_CHUNK_BYTES, chunk_rows, row_bounds, unpack_saved
+from ._chunks import DEFAULT_CHUNK_BYTES, SavedEntries, chunk_rows, row_bounds
 from .bounded_cnn import BoundedSequential, _sequence
 
 __all__ = ["convert_bounded_ffn", "fusable_activation", "is_bounded_ffn", "linear_act", "unconvert_bounded_ffn"]
@@ -198,14 +198,15 @@ class _FeedForward(torch.autograd.Function):
     def backward(ctx, grad_y):
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         need_h = need_x or need_w1 or need_b1
-        weight1 = unpack_saved(ctx, 0)
-        weight2 = unpack_saved(ctx, 1) if ctx.two else None
+        saved = SavedEntries(ctx)
+        weight1 = saved[0]
+        weight2 = saved[1] if ctx.two else None
         bounds, dtype, hidden = ctx.bounds, ctx.h_dtype, ctx.hidden
         x_shape, x_dtype = ctx.x_meta
         if ctx.packed is None:  # saved by save_for_backward: the weights, x's chunks, h's chunks
             x_at = 2 if ctx.two else 1
             h_at = x_at + (len(bounds) if ctx.saves_x else 0)
-            x_chunk, h_chunk = (lambda i: unpack_saved(ctx, x_at + i)), (lambda i: unpack_saved(ctx, h_at + i))
+            x_chunk, h_chunk = (lambda i: saved[x_at + i]), (lambda i: saved[h_at + i])
         else:  # packed one chunk at a time in the forward
             packed_x, packed_h = ctx.packed
             x_chunk, h_chunk = (lambda i: ctx.unpack(packed_x[i])), (lambda i: ctx.unpack(packed_h[i]))

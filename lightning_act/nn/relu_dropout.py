@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..formats._bitpack import pack_bits, unpack_bits
-from ._chunks import DEFAULT_CHUNK_BYTES, chunk_rows, row_bounds, unpack_saved
+from ._chunks import DEFAULT_CHUNK_BYTES, SavedEntries, chunk_rows, row_bounds
 
 __all__ = ["ReLUDropout", "relu_dropout"]
 
@@ -45,9 +45,9 @@ class _ReLUDropout(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         grad = torch.empty_like(grad_out, memory_format=torch.contiguous_format)
-        zero = grad_out.new_zeros(())
+        zero, saved = grad_out.new_zeros(()), SavedEntries(ctx)
         for i, (start, stop) in enumerate(ctx.bounds):
-            keep = unpack_bits(unpack_saved(ctx, i), (stop - start) * math.prod(ctx.row_shape)).view(stop - start, *ctx.row_shape)
+            keep = unpack_bits(saved[i], (stop - start) * math.prod(ctx.row_shape)).view(stop - start, *ctx.row_shape)
             target = torch.where(keep, grad_out[start:stop], zero, out=grad[start:stop])
             if ctx.scale != 1.0:
                 target.mul_(ctx.scale)

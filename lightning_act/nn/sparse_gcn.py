@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._chunks import DEFAULT_CHUNK_BYTES, chunk_rows, row_bounds, unpack_saved
+from ._chunks import DEFAULT_CHUNK_BYTES, SavedEntries, chunk_rows, row_bounds
 
 __all__ = ["SparseGCNConv", "csr_rows", "csr_transpose", "gcn_adjacency", "normalized_adjacency", "sparse_gcn"]
 
@@ -83,14 +83,15 @@ class _SparseGCN(torch.autograd.Function):
     def backward(ctx, grad_out):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_out = grad_out.contiguous()
-        weight, adj_transposed = unpack_saved(ctx, 0), unpack_saved(ctx, 1)
+        saved = SavedEntries(ctx)
+        weight, adj_transposed = saved[0], saved[1]
         grad_x = grad_out.new_empty(ctx.x_shape) if need_x else None
         grad_w = torch.zeros_like(weight) if need_w else None
         if need_x or need_w:
             for i, (start, stop, a) in enumerate(_row_chunks(adj_transposed, ctx.bounds)):
                 t = torch.sparse.mm(a, grad_out)  # rows of A^T G
                 if need_w:
-                    grad_w.addmm_(t.t(), unpack_saved(ctx, 2 + i))
+                    grad_w.addmm_(t.t(), saved[2 + i])
                 if need_x:
                     torch.mm(t, weight, out=grad_x[start:stop])
         grad_b = grad_out.sum(0) if need_b and ctx.has_bias else None
