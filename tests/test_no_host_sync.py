@@ -18,9 +18,10 @@ from lightning_act.cuda.launcher import use_runner
 from tests.cuda_emulation.checks import assert_same_bits
 from tests.cuda_emulation.emulator import requires_gxx
 
-# Tensor methods that copy a value to the host (the scalar conversions also reach _local_scalar_dense below).
+# Tensor methods that copy a value to the host (the scalar conversions also reach _local_scalar_dense below), and
+# the functions that make a device tensor from host data (a copy from pageable memory, which on CUDA waits too).
 HOST_READS = frozenset({"item", "tolist", "numpy", "__array__", "cpu", "__int__", "__bool__", "__float__",
-                        "__index__", "__complex__"})
+                        "__index__", "__complex__", "new_tensor", "tensor", "as_tensor"})
 # ATen ops that read a value on the host: the scalar read, and the ones sizing their output from the data.
 SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
                          "unique_consecutive"})
@@ -77,8 +78,9 @@ class no_host_reads:
     lambda t: t.sum().item(), lambda t: int(t[0]), lambda t: bool(t.any()), lambda t: float(t[1]),
     lambda t: [0, 1, 2][t[1]], lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.to("cpu"), lambda t: t.numpy(),
     lambda t: torch.nonzero(t), lambda t: t[t > 0], lambda t: t.unique(), lambda t: t.repeat_interleave(t),
+    lambda t: t.new_tensor(float("inf")), lambda t: torch.tensor(1.0, device=t.device),
 ], ids=["item", "int", "bool", "float", "index", "tolist", "cpu", "to_cpu", "numpy", "nonzero", "mask", "unique",
-        "repeat_interleave"])
+        "repeat_interleave", "new_tensor", "tensor"])
 def test_the_guard_catches_every_host_read(read):
     t = torch.tensor([0, 1, 2])
     with pytest.raises(HostReadError), no_host_reads():
@@ -109,6 +111,20 @@ def _data(dtype: torch.dtype) -> torch.Tensor:
     x[0, 1] *= torch.rand(20, 24, generator=gen) < 0.1
     x[1, 2, 3, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -0.0])
     return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", [{"name": "quantize", "bits": 4, "stats_dtype": "bfloat16"}, {"name": "division"}],
+                         ids=["quantize-bf16-stats", "division"])
+def test_the_torch_paths_encode_makes_no_tensor_from_host_data(options, dtype):
+    """The torch path's bfloat16 statistics rounded their bounds toward infinities made by ``new_tensor``, a copy
+    from the host that on CUDA waits for the device (the H100's sync check caught division's torch path). A small
+    tensor: below ``CHUNK_ELEMENTS`` no CPU-only shortcut reads the statistics back."""
+    codec = act.codecs.get(**{"backend": "torch", **options})
+    x = _data(dtype)
+    with no_host_reads():
+        packed = codec.encode(x, key=3)
+    assert_same_bits(codec.decode(packed), codec.decode(codec.encode(x, key=3)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

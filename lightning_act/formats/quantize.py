@@ -61,15 +61,21 @@ def _div_levels(d: torch.Tensor, levels: int) -> torch.Tensor:
     return d / torch.full_like(d, levels)
 
 
+def _infinity(like: torch.Tensor, sign: int) -> torch.Tensor:
+    """``sign`` x infinity as a 0-d tensor of ``like``'s dtype and device, filled there: ``new_tensor`` would copy it
+    from the host, which on CUDA waits for the device."""
+    return torch.full((), sign * float("inf"), dtype=like.dtype, device=like.device)
+
+
 def _round_stats(mn: torch.Tensor, mx: torch.Tensor, levels: int, dtype: torch.dtype):
     """Group statistics in the stored dtype: mn rounded down, step rounded up (float32: exact); NaN canonical."""
     if dtype == torch.float32:
         return canonical_nan_(mn), canonical_nan_(_div_levels(mx - mn, levels))
     mn_s = mn.to(dtype)
-    mn_s = torch.where(mn_s.float() > mn, torch.nextafter(mn_s, mn_s.new_tensor(float("-inf"))), mn_s)
+    mn_s = torch.where(mn_s.float() > mn, torch.nextafter(mn_s, _infinity(mn_s, -1)), mn_s)
     step = _div_levels(mx - mn_s.float(), levels)
     step_s = step.to(dtype)
-    step_s = torch.where(step_s.float() < step, torch.nextafter(step_s, step_s.new_tensor(float("inf"))), step_s)
+    step_s = torch.where(step_s.float() < step, torch.nextafter(step_s, _infinity(step_s, 1)), step_s)
     return canonical_nan_(mn_s), canonical_nan_(step_s)
 
 
@@ -167,11 +173,11 @@ def _group_stats(xg: torch.Tensor, levels: int, stats_dtype: torch.dtype, mn_out
         return mn, step, _inverse(step)
     mn = xg.amin(dim=1)
     mn_s = mn_out.copy_(mn)  # rounded to nearest, then down where that went up
-    mn_s.copy_(torch.where(mn_s.float() > mn, torch.nextafter(mn_s, mn_s.new_tensor(float("-inf"))), mn_s))
+    mn_s.copy_(torch.where(mn_s.float() > mn, torch.nextafter(mn_s, _infinity(mn_s, -1)), mn_s))
     mn = mn_s.float()
     step = _div_levels(mx.sub_(mn), levels)
     step_s = step_out.copy_(step)  # rounded to nearest, then up where that went down
-    step_s.copy_(torch.where(step_s.float() < step, torch.nextafter(step_s, step_s.new_tensor(float("inf"))), step_s))
+    step_s.copy_(torch.where(step_s.float() < step, torch.nextafter(step_s, _infinity(step_s, 1)), step_s))
     step = step_s.float()
     return mn, step, _inverse(step)
 
