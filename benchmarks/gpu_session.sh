@@ -10,7 +10,7 @@
 #    bench_torch_path.py --device cuda: each codec's torch path, and two codecs' compiled pipeline, against the
 #    kernels (GB/s, how many times);
 # 2. bench_gpu.py, first the rows issue #20 judges (BERT-base and ResNet-50: baseline, L1, 4-bit, 2-bit, CB1, torch
-#    checkpointing; each with a profiled step: its kernel time, its ops in profiles/), then BERT-base and ResNet-50
+#    checkpointing; each row with a profiled step: its kernel time, its ops in profiles/), then BERT-base and ResNet-50
 #    torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing), then the other models and
 #    configurations in the time left.
 # Every report is rewritten as its rows arrive, so a run cut short keeps what it measured. Results go to
@@ -57,7 +57,7 @@ compiled=$(( $(left) * 2 / 3 ))
 if [ "$compiled" -gt 120 ]; then
     timeout "$compiled" python benchmarks/bench_gpu.py --time-budget $(( compiled - 90 )) --models bert-base resnet50 \
         --configs baseline compiled "compiled, 4-bit" "compiled, torch checkpoint" --out "$out/gpu_compiled.md" \
-        > "$out/bench_gpu_compiled.log" 2>&1
+        --profile "$out/profiles_compiled" > "$out/bench_gpu_compiled.log" 2>&1
     echo "bench_gpu.py, compiled rows: exit $?, $(left) s left"
     pack
 fi
@@ -66,7 +66,8 @@ if [ "$(left)" -gt 90 ]; then
         --models bert-base resnet50-cl resnet50 gcn \
         --configs baseline "4-bit, bounded" "L1, side stream" "4-bit, side stream" "4-bit, compile" division \
         "lorenzo eb=1e-2" CB2 \
-        "torch checkpoint" "memory budget" save_on_cpu --out "$out/gpu_more.md" > "$out/bench_gpu_more.log" 2>&1
+        "torch checkpoint" "memory budget" save_on_cpu --out "$out/gpu_more.md" --profile "$out/profiles_more" \
+        > "$out/bench_gpu_more.log" 2>&1
     echo "bench_gpu.py, the other rows: exit $?, $(left) s left"
     pack
 fi
