@@ -307,6 +307,8 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
     assert {"gpu_checks.md", "torch_path_gpu.md", "torch_path_gpu_compiled.md", "gpu.md", "gpu_compiled.md",
             "gpu_more.md"} <= names
     asked = []
+    for name in ("_clock", "_sync"):  # main() sets them for CUDA: restored after the test
+        monkeypatch.setattr(bench_torch_path, name, getattr(bench_torch_path, name))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_torch_path, "measure", lambda *args, **kwargs: asked.append(kwargs) or [])
     monkeypatch.setattr(bench_torch_path, "report", lambda *args: "")
