@@ -4,7 +4,7 @@ One command, on a machine with CUDA, writes ``benchmarks/results/gpu.md`` (and `
 
     python benchmarks/bench_gpu.py [--models resnet50 resnet50-cl bert-base gcn [gcn-csr]] [--configs ...]
                                    [--repeats 5] [--memory-budget checkpoint|6GiB] [--time-budget SECONDS]
-                                   [--out benchmarks/results/gpu.md]
+                                   [--profile DIR] [--out benchmarks/results/gpu.md]
     python benchmarks/bench_gpu.py --tiny      # the same code path on CPU with tiny models (the test mode)
 
 The report is rewritten after every row (marked partial until the run ends), so a run cut short by a lent GPU's
@@ -37,6 +37,9 @@ Figures per row:
   profiler's allocator events), gradients freed before the step.
 - time ×: median step time (5 steps after 2 warm-up steps, each CUDA-synchronised) over the baseline's.
 - ratio: ``compressor.stats().ratio`` (saved / stored activation bytes); the baseline's is 1 by definition.
+- kernels ms (with ``--profile DIR``, on CUDA): the device's kernel time in one more step under ``torch.profiler``;
+  a step time above it is time the GPU waited for the host. Each configuration's ops by their own device and host
+  time go to ``DIR``.
 - max batch: the peak measured at the batch and at half of it, a line through the two, and the batch at which it
   reaches the capacity: the device's memory a step can use (free + torch's reserved - allocated before the step;
   ``--capacity-mib`` fixes it). The memory-budget row's line goes through its most aggressive plan's peaks (what
