@@ -67,7 +67,7 @@ if [ "$compiled" -gt 120 ]; then
 fi
 if [ "$(left)" -gt 90 ]; then
     timeout "$(left)" python benchmarks/bench_gpu.py --time-budget $(( $(left) - 60 )) \
-        --models bert-base resnet50-cl resnet50 gcn \
+        --models bert-base resnet50-cl gcn gcn-csr resnet50 \
         --configs baseline "4-bit, bounded" "L1, side stream" "4-bit, side stream" "4-bit, compile" division \
         "lorenzo eb=1e-2" CB2 \
         "torch checkpoint" "memory budget" save_on_cpu --out "$out/gpu_more.md" --profile "$out/profiles_more" \
