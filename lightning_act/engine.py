@@ -60,6 +60,17 @@ class _FnKinds(dict):
 _FN_KINDS = _FnKinds()
 
 
+class _IsCopy(dict):
+    """grad_fn class -> whether it is ``ToCopyBackward0`` (a dtype cast's node), filled as classes are met."""
+
+    def __missing__(self, cls: type) -> bool:
+        found = self[cls] = cls.__name__ == "ToCopyBackward0"
+        return found
+
+
+_IS_COPY = _IsCopy()
+
+
 def _derives_from_leaf(t: torch.Tensor) -> bool:
     """True when ``t`` is a leaf that requires grad, or a chain of views/casts of one."""
     fn = t.grad_fn
@@ -165,6 +176,25 @@ def _frozen_weight_cast(t: torch.Tensor, call, own_storages: frozenset[int]) -> 
     reordered = (weight.storage_offset() == parameter.storage_offset() and weight.shape == base.shape
                  and weight.stride() == base.stride() and _whole_reordering(parameter, base))
     return parameter if reordered and _recastable(parameter, base, own_storages, reordered=True) else None
+
+
+def _cast_source(t: torch.Tensor, fn, call) -> torch.Tensor | None:
+    """The argument of the tracked ``call`` (a Linear, a matrix product, a convolution) whose copy in another dtype
+    ``t`` is, or a view of it: autocast's copy of the op's input (``ToCopyBackward0``, under at most one view, fed by
+    the argument's own autograd edge). Each such op casts again, so a hidden state read by three projections (a
+    transformer's query, key and value) is saved as three equal copies; else None."""
+    node = fn
+    if not _IS_COPY[type(node)]:
+        edges = node.next_functions
+        node = edges[0][0] if edges else None
+        if node is None or not _IS_COPY[type(node)]:
+            return None
+    producer, output_nr = node.next_functions[0]
+    for arg in call.args:
+        if type(arg) is torch.Tensor and arg.grad_fn is producer and producer is not None \
+                and arg.output_nr == output_nr and arg.dtype != t.dtype:
+            return arg
+    return None
 
 
 def _cast_again(parameter: torch.Tensor, t: torch.Tensor) -> "_Saved":
@@ -648,14 +678,25 @@ class ActivationCompressor:
         if codec is not None and codec.logical_layout:
             # the codec reads the tensor's own shape (planes, pooling windows), not its storage in memory order
             unit, geometry, key = t, None, (ptr, dtype, version, _geometry(t))
+        owner = storage  # whose liveness tells that ``key`` still names the same values
+        call = step.tracker.current if codec is not None and step.tracker is not None else None
+        if call is not None and fn is not None and call.func in op_rules.WEIGHT_ARGUMENT and (
+                source := _cast_source(t, fn, call)) is not None:
+            # autocast's copy of an op's input: keyed by its source, so the equal copies other ops make of it (a
+            # transformer's query, key and value projections) are stored once
+            owner = source.untyped_storage()
+            key = ("cast", owner.data_ptr(), source._version, source.storage_offset(), source.shape, source.stride(),
+                   dtype, t.storage_offset(), shape, t.stride())
         name = codec.name if codec is not None else None  # a mask and the values of one storage differ
         stored = step.stored
         entry = stored.get(key)
         if entry is not None and (entry[0] is None or not entry[0].expired()):
             first = entry[1].get(name)
             if first is not None:
-                records.append(_new_record((index, shape, dtype, DUPLICATE, name or "none", 0.0, 0, 0, "", step.phase,
-                                        False, None)))
+                # an autocast copy is a storage of its own without compression: counted as original bytes
+                copied = numel * t.element_size() if owner is not storage else 0
+                records.append(_new_record((index, shape, dtype, DUPLICATE, name or "none", 0.0, copied, 0,
+                                            "autocast copy" if copied else "", step.phase, False, None)))
                 if first.tensor is not None:
                     return _new_saved((t, version, shape, t, None, None, None, None, None, 0))
                 return _new_saved((_version_alias(t), version, shape, None, first.packed, first.swapped, first.codec,
@@ -685,7 +726,7 @@ class ActivationCompressor:
             saved = _new_saved((_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side,
                                 ticket))
         if entry is None:  # a kept tensor holds its storage alive; else a weak reference tells a freed one
-            stored[key] = [None if saved.tensor is not None else _StorageRef(storage), {name: saved}]
+            stored[key] = [None if saved.tensor is not None else _StorageRef(owner), {name: saved}]
         else:
             entry[1][name] = saved
         return saved

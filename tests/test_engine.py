@@ -119,6 +119,94 @@ def test_freed_storage_reused_at_same_address_is_not_a_duplicate():
     torch.testing.assert_close(w.grad, expected, atol=0.02, rtol=0)
 
 
+class _ThreeProjections(nn.Module):
+    """A transformer's query, key and value: three Linears of one hidden state, each casting it under autocast."""
+
+    def __init__(self, width=128):
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x, between=None):
+        h = torch.tanh(self.inner(x)).float()  # float32 (a LayerNorm's output under autocast): each projection
+        # casts it to bfloat16 anew
+        q = self.q(h)
+        if between is not None:
+            between(h)
+        return (q * self.k(h) + self.v(h)).float().square().mean()
+
+
+def _three_projection_grads(model, x, compressor=None, between=None):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if compressor is None:
+            loss = model(x, between)
+        else:
+            with compressor.compress():
+                loss = model(x, between)
+    loss.backward()
+    return torch.cat([p.grad.float().reshape(-1) for p in (model.q.weight, model.k.weight, model.v.weight)])
+
+
+def test_autocast_copies_of_one_input_are_stored_once():
+    """Each projection saves its own bfloat16 copy of the hidden state: equal values, three storages. The first is
+    compressed, the other two are duplicates of it (their bytes counted as original, none stored)."""
+    torch.manual_seed(0)
+    model, x = _ThreeProjections(), torch.randn(64, 128)
+    reference = _three_projection_grads(model, x)
+    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+    grads = _three_projection_grads(model, x, compressor)
+    assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.999
+    records = compressor.stats().records
+    copies = [r for r in records if r.reason == "autocast copy"]
+    assert [(r.kind, r.shape, r.original_bytes, r.stored_bytes) for r in copies] == \
+        [(DUPLICATE, (64, 128), 64 * 128 * 2, 0)] * 2  # the key's and the value's copies
+    # the query's, compressed: the step stores 2 of its 11 saved tensors' bytes fewer
+    assert sum(r.stored_bytes for r in records) < sum(r.original_bytes for r in records) / 2
+
+
+def test_a_source_changed_between_its_casts_is_cast_anew():
+    """The source modified in place (no autograd record: its version alone changes) between two projections: the
+    later copies hold other values, so they are not duplicates of the first."""
+    torch.manual_seed(0)
+    model, x = _ThreeProjections(), torch.randn(64, 128)
+
+    def double(h):
+        with torch.no_grad():
+            h.mul_(2)
+
+    reference = _three_projection_grads(model, x, between=double)
+    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+    grads = _three_projection_grads(model, x, compressor, between=double)
+    copies = [r for r in compressor.stats().records if r.reason == "autocast copy"]
+    assert len(copies) == 1  # the value's copy, of the doubled state as the key's; the key's is compressed anew
+    torch.testing.assert_close(grads, reference, atol=0.02 * reference.abs().max().item(), rtol=0)
+
+
+def test_a_saved_tensor_of_another_dtype_is_no_copy_of_the_other_argument():
+    """``a @ b`` under autocast with ``b`` already bfloat16 (a copy of another tensor): ``a``'s cast and ``b`` are
+    both saved, and ``b`` is not taken for a copy of ``a``."""
+    torch.manual_seed(0)
+    a0, b0 = torch.randn(128, 128, requires_grad=True), torch.randn(128, 128, requires_grad=True)
+
+    def step(compressor=None):
+        a0.grad = b0.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16), (compressor.compress() if compressor else
+                                                           torch.autograd.graph.saved_tensors_hooks(lambda t: t,
+                                                                                                    lambda t: t)):
+            a, b = torch.tanh(a0), torch.tanh(b0).to(torch.bfloat16)
+            loss = (torch.matmul(a, b) + torch.matmul(a, b.t())).float().square().mean()
+        loss.backward()
+        return torch.cat([a0.grad.reshape(-1), b0.grad.reshape(-1)])
+
+    reference = step()
+    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+    grads = step(compressor)
+    copies = [r for r in compressor.stats().records if r.reason == "autocast copy"]
+    assert len(copies) == 1  # the second product's cast of a, not b
+    torch.testing.assert_close(grads, reference, atol=0.02 * reference.abs().max().item(), rtol=0)
+
+
 def test_parameters_pass_through_including_autocast_casts():
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
     x = torch.randn(64, 128, requires_grad=True)
