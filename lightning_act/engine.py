@@ -190,9 +190,11 @@ def _cast_source(t: torch.Tensor, fn, call) -> torch.Tensor | None:
         if node is None or not _IS_COPY[type(node)]:
             return None
     producer, output_nr = node.next_functions[0]
+    if producer is None:
+        return None
     for arg in call.args:
-        if type(arg) is torch.Tensor and arg.grad_fn is producer and producer is not None \
-                and arg.output_nr == output_nr and arg.dtype != t.dtype:
+        if type(arg) is torch.Tensor and arg.grad_fn is producer and arg.output_nr == output_nr \
+                and arg.dtype != t.dtype:
             return arg
     return None
 

@@ -165,6 +165,36 @@ def test_autocast_copies_of_one_input_are_stored_once():
     assert sum(r.stored_bytes for r in records) < sum(r.original_bytes for r in records) / 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_autocast_copies_of_a_channels_last_input_are_stored_once(dtype):
+    """Two convolutions of one channels_last input (a downsampling branch beside the main one): autocast casts a
+    float32 input for each, keeping its layout, and the second copy is the first's duplicate; a float64 input is not
+    cast by autocast, so nothing is a copy."""
+    torch.manual_seed(0)
+    convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(2)).to(dtype)
+    x0 = torch.randn(4, 8, 16, 16, dtype=dtype).to(memory_format=torch.channels_last).requires_grad_()
+
+    def grads(compressor=None):
+        convs.zero_grad(set_to_none=True)
+        x0.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16), (
+                compressor.compress() if compressor else torch.autograd.graph.saved_tensors_hooks(lambda t: t,
+                                                                                                  lambda t: t)):
+            h = x0 * 2  # the shared input, float32 or float64 and channels_last
+            assert h.is_contiguous(memory_format=torch.channels_last)
+            loss = (convs[0](h) * convs[1](h)).double().square().mean()
+        loss.backward()
+        return torch.cat([x0.grad.double().reshape(-1)] + [c.weight.grad.double().reshape(-1) for c in convs])
+
+    reference = grads()
+    compressor = act.ActivationCompressor(convs, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+    compressed = grads(compressor)
+    copies = [r for r in compressor.stats().records if r.reason == "autocast copy"]
+    assert [(r.kind, r.shape, r.original_bytes, r.stored_bytes) for r in copies] == (
+        [(DUPLICATE, (4, 8, 16, 16), 4 * 8 * 16 * 16 * 2, 0)] if dtype == torch.float32 else [])
+    assert torch.nn.functional.cosine_similarity(compressed, reference, dim=0) > 0.999
+
+
 def test_a_source_changed_between_its_casts_is_cast_anew():
     """The source modified in place (no autograd record: its version alone changes) between two projections: the
     later copies hold other values, so they are not duplicates of the first."""

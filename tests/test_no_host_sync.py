@@ -113,15 +113,16 @@ def _data(dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "cl"])
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
 @pytest.mark.parametrize("options", [{"name": "quantize", "bits": 4, "stats_dtype": "bfloat16"}, {"name": "division"}],
                          ids=["quantize-bf16-stats", "division"])
-def test_the_torch_paths_encode_makes_no_tensor_from_host_data(options, dtype):
+def test_the_torch_paths_encode_makes_no_tensor_from_host_data(options, dtype, memory_format):
     """The torch path's bfloat16 statistics rounded their bounds toward infinities made by ``new_tensor``, a copy
     from the host that on CUDA waits for the device (the H100's sync check caught division's torch path). A small
     tensor: below ``CHUNK_ELEMENTS`` no CPU-only shortcut reads the statistics back."""
     codec = act.codecs.get(**{"backend": "torch", **options})
-    x = _data(dtype)
+    x = _data(dtype).to(memory_format=memory_format)
     with no_host_reads():
         packed = codec.encode(x, key=3)
     assert_same_bits(codec.decode(packed), codec.decode(codec.encode(x, key=3)))
