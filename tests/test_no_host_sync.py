@@ -8,6 +8,8 @@ boolean-mask indexing, ``masked_select``, ``unique``, ``repeat_interleave`` with
 every tensor stands for a device tensor, so any such read in the path fails the test; the decoded values are
 then checked bit for bit against the torch path.
 """
+import weakref
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -47,9 +49,21 @@ class _NoHostReadFunctions(TorchFunctionMode):
 
 
 class _NoHostReadOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self._host_values = weakref.WeakSet()  # tensors lifted from a Python number (``t[i] = 5``'s value)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        if name == "lift_fresh":
+            out = func(*args, **kwargs)
+            self._host_values.add(out)
+            return out
+        if name == "copy_" and args[1] in self._host_values:
+            # one element set from a Python number: CUDA tensors take the value as a CPU tensor, copied from
+            # pageable memory (a fill_ of a slice, or of the number, is not)
+            raise HostReadError("aten.copy_ of a Python number into one element copies host memory to the device")
         if name in SYNCING_OPS:
             raise HostReadError(f"aten.{name} reads a device value on the host")
         if name in ("index", "index_put", "index_put_") and any(
@@ -78,9 +92,9 @@ class no_host_reads:
     lambda t: t.sum().item(), lambda t: int(t[0]), lambda t: bool(t.any()), lambda t: float(t[1]),
     lambda t: [0, 1, 2][t[1]], lambda t: t.tolist(), lambda t: t.cpu(), lambda t: t.to("cpu"), lambda t: t.numpy(),
     lambda t: torch.nonzero(t), lambda t: t[t > 0], lambda t: t.unique(), lambda t: t.repeat_interleave(t),
-    lambda t: t.new_tensor(float("inf")), lambda t: torch.tensor(1.0, device=t.device),
+    lambda t: t.new_tensor(float("inf")), lambda t: torch.tensor(1.0, device=t.device), lambda t: t.__setitem__(-1, 5),
 ], ids=["item", "int", "bool", "float", "index", "tolist", "cpu", "to_cpu", "numpy", "nonzero", "mask", "unique",
-        "repeat_interleave", "new_tensor", "tensor"])
+        "repeat_interleave", "new_tensor", "tensor", "set_element"])
 def test_the_guard_catches_every_host_read(read):
     t = torch.tensor([0, 1, 2])
     with pytest.raises(HostReadError), no_host_reads():
@@ -91,7 +105,9 @@ def test_the_guard_lets_device_side_work_through():
     t = torch.tensor([3.0, -1.0, 2.0])
     with no_host_reads():
         out = torch.cumsum(t, 0)[t.numel() - 1:] + t.amax() + t.abs().to(torch.float16).float()
-    assert out.tolist() == [10.0, 8.0, 9.0]
+        t[1:] = 2.0  # a slice set from a number is a fill on the device
+        t.narrow(0, 0, 1).fill_(4.0)
+    assert out.tolist() == [10.0, 8.0, 9.0] and t.tolist() == [4.0, 2.0, 2.0]
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -126,6 +142,22 @@ def test_the_torch_paths_encode_makes_no_tensor_from_host_data(options, dtype, m
     with no_host_reads():
         packed = codec.encode(x, key=3)
     assert_same_bits(codec.decode(packed), codec.decode(codec.encode(x, key=3)))
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+@pytest.mark.parametrize("codec", [c for c in CODECS if c != "lorenzo"])  # lorenzo's sizes its payload on the host
+def test_the_torch_paths_off_the_cpu_read_nothing_on_the_host(codec, dtype):
+    """Encode, stored size and decode of the torch path on ``meta`` tensors, which stand in for CUDA ones: the
+    CPU-only shortcuts (reading statistics back to skip work) are off as on a GPU, and a value read raises."""
+    options = dict(CODECS[codec])
+    codec = act.codecs.get(options.pop("name"), backend="torch", **options)
+    x = _data(dtype).to("meta")
+    with no_host_reads():
+        packed = codec.encode(x, key=3)
+        nbytes = packed.nbytes
+        out = codec.decode(packed)
+    assert (out.shape, out.dtype, out.device.type) == (x.shape, dtype, "meta")
+    assert nbytes == codec.encode(_data(dtype), key=3).nbytes
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -66,7 +66,8 @@ def block_sizes(spatial: tuple[int, ...], block: int, device: torch.device | str
     count = torch.ones((), dtype=torch.float32, device=device)
     for s, n in zip(spatial, block_counts(spatial, block)):
         edge = torch.full((n,), float(block), dtype=torch.float32, device=device)
-        edge[-1] = s - (n - 1) * block
+        # a fill of a one-element slice: ``edge[-1] = v`` copies ``v`` from host memory on CUDA (a synchronisation)
+        edge.narrow(0, n - 1, 1).fill_(s - (n - 1) * block)
         count = count.unsqueeze(-1) * edge
     return count
 
