@@ -367,8 +367,13 @@ class Runner:
             started = time.perf_counter()
             prepared.calibrate(loss_fn, budget_bytes)
             row["calibrate_s"] = time.perf_counter() - started
-            for _ in range(self.warmup):
+            for i in range(self.warmup):
+                _synchronize(self.device)
+                started = time.perf_counter()
                 self.step(prepared, loss_fn)
+                _synchronize(self.device)
+                if i == 0:  # a compiled configuration's compilation
+                    row["first_step_s"] = time.perf_counter() - started
             seconds = []
             for _ in range(self.repeats):
                 _synchronize(self.device)
@@ -603,6 +608,11 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
         lines += ["L1: one auto-precision round at the batch before timing (" + ", ".join(
             f"{r['model']} {r['calibrate_s']:.0f} s" for r in l1) + "); its allocation is carried to half the batch "
                   "by pack order.", ""]
+    compiled = [r for r in rows if METHODS.get(r["config"], METHODS["baseline"]).compiled and "first_step_s" in r]
+    if compiled:
+        lines += ["First step of the compiled configurations (their compilation, caches cold unless an earlier "
+                  "configuration compiled the same graphs): " + ", ".join(
+                      f"{r['model']} {r['config']} {r['first_step_s']:.0f} s" for r in compiled) + ".", ""]
     lines += [f"Not run: {why}." for why in not_run]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -265,6 +265,9 @@ def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     assert "lightning_act::dequantize" in compressed
     assert all("kernel_ms" not in r for r in rows.values())  # no device here: no kernel time, no column
     assert "kernels ms" not in out.read_text()
+    # the first step's time (the compiled configuration's compilation) is reported for the compiled rows
+    assert rows["compiled, 4-bit"]["first_step_s"] > 0
+    assert f"compiled, 4-bit {rows['compiled, 4-bit']['first_step_s']:.0f} s" in out.read_text()
 
 
 def test_the_gpu_session_script_names_only_models_and_configurations_bench_gpu_has():

@@ -14,9 +14,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import lightning_act as act
 from lightning_act import compiled_regions
 from lightning_act.formats._bitpack import pack_codes, pack_codes_traced, packed_nbytes
-from lightning_act.formats.quantize import dequantize_reference
+from lightning_act.cuda.launcher import use_runner
+from lightning_act.formats.quantize import dequantize_reference, quantize_reference
 from lightning_act.model_prep import has_compiled_parts
 from lightning_act.profiling import measure_step_memory
+from tests.cuda_emulation.checks import assert_same_bits
+from tests.cuda_emulation.emulator import requires_gxx
+from tests.host_path import RecordingRunner
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported() or not compiled_regions.supported(),
                                 reason="torch.compile with inlined saved-tensor hooks unsupported here")
@@ -87,6 +91,68 @@ def test_the_decode_op_is_the_formats_decode_without_a_compressor(stats_dtype):
     payload, mn, step = compiled_regions.encode_traced(x, 2, 256, stats_dtype)
     decoded = torch.ops.lightning_act.dequantize(payload, mn, step, x.numel(), 2, 256, torch.float32, -1)
     assert torch.equal(decoded, dequantize_reference(payload, mn, step, x.numel(), 2, 256, torch.float32))
+
+
+class _Counting:
+    """A kernel runner that records each kernel's name and runs it on ``inner``."""
+
+    device_type = "cpu"
+
+    def __init__(self, inner):
+        self.inner, self.kernels = inner, []
+
+    def launch(self, source, kernel, *args) -> None:
+        self.kernels.append(kernel)
+        self.inner.launch(source, kernel, *args)
+
+
+@pytest.mark.toolchain
+@requires_gxx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 255, 3 * 256 + 5])
+@pytest.mark.parametrize("stats_dtype", ["float32", "bfloat16"])
+def test_the_kernel_encode_op_stores_the_formats_bits_with_a_fresh_key_per_call(runner, dtype, n, stats_dtype):
+    """``lightning_act::quantize`` (a compiled forward's encode where the kernels run) is the kernel's encode, bit
+    for bit the format's reference at the codec's seed and keys 1, 2, ...; its fake sizes are the real ones."""
+    compressor = act.ActivationCompressor(nn.Linear(1, 1), act.ACTConfig(bits=4, adaptive=False, seed=5,
+                                                                         stats_dtype=stats_dtype))
+    hooks = compiled_regions.GraphHooks(compressor)
+    stats = compiled_regions.STATS_DTYPES[stats_dtype]
+    x = (torch.randn(n) * 3).to(dtype)
+    counting = _Counting(runner)
+    with use_runner(counting):
+        outs = [torch.ops.lightning_act.quantize(x, 4, 256, stats, hooks.owner) for _ in range(2)]
+    assert counting.kernels == ["quantize_encode"] * 2
+    for key, out in enumerate(outs, start=1):
+        for got, expected in zip(out, quantize_reference(x, 4, 256, stats, 5, key)):
+            assert_same_bits(got, expected)
+    assert n == 1 or not torch.equal(outs[0][0], outs[1][0])  # one element: its group's minimum, code 0
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.lightning_act.quantize(mode.from_tensor(x), 4, 256, stats, hooks.owner)
+    assert [(f.shape, f.dtype) for f in fake] == [(o.shape, o.dtype) for o in outs[0]]
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_where_the_kernels_run_a_compiled_forward_encodes_with_them(runner):
+    """One kernel encode per compressed tensor in the compiled forward, one decode in its backward, no traced
+    encode: the gradients are the uncompressed step's within the format's error, with fresh noise each step."""
+    model = _mlp(width=256)
+    x = torch.randn(64, 16)
+    reference = _gradients(model, lambda: model(x))
+    counting = _Counting(runner)
+    with use_runner(counting):
+        net = torch.compile(model)
+        compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=1024))
+        step = _compressed(compressor, net)
+        grads = [_gradients(model, lambda: step(x)) for _ in range(2)]
+    for g in grads:
+        assert torch.nn.functional.cosine_similarity(g, reference, dim=0) > 0.995
+    assert not torch.equal(grads[0], grads[1])
+    records = _compiled_records(compressor)
+    assert len(records) >= 3 and all(r.codec == "quantize" and r.bits == 4.0 for r in records)
+    assert counting.kernels.count("quantize_encode") == counting.kernels.count("quantize_decode") == 2 * len(records)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("n", [1, 8, 4099])
@@ -185,30 +251,38 @@ def test_a_compiled_model_compresses_inside_its_graph(autocast, dtype):
         assert r.stored_bytes == 64 * 256 // 2 + 2 * 4 * (64 * 256 // 256)  # codes, min and step per group
 
 
-def test_the_compiled_steps_peak_falls():
+@pytest.mark.parametrize("kernels", [False, True], ids=["traced encode", "kernel encode"])
+def test_the_compiled_steps_peak_falls(kernels):
     """Decoded right before their readers: without SinkDecodes the backward decodes every activation as it
-    starts, and the step peaks as the uncompressed one does."""
+    starts, and the step peaks as the uncompressed one does. The kernel encode (an opaque op, here launching
+    nothing: the peak is the buffers') is placed where the traced one is fused, right after its tensor's op."""
     model = _mlp(width=256, depth=8)
     x = torch.randn(2048, 16)
     peaks = {}
     for name, config in (("kept", None), ("compressed", act.ACTConfig(bits=4, adaptive=False))):
-        net = torch.compile(model)
-        compressor = act.ActivationCompressor(net, config) if config else None
-
-        def step():
-            with compressor.compress() if compressor else contextlib.nullcontext():
-                loss = net(x).square().mean()
-            loss.backward()
-
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            step()
-        model.zero_grad(set_to_none=True)
-        peaks[name] = measure_step_memory(step).peak_bytes
-        torch._dynamo.reset()
+        with use_runner(RecordingRunner()) if kernels else contextlib.nullcontext():
+            peaks[name] = _compiled_step_peak(model, x, config)
     activation = 2048 * 256 * 4
     assert peaks["kept"] >= 8 * activation, peaks  # 20.3 MiB measured: 16 saved activations, recomputed some
-    assert peaks["compressed"] <= 0.55 * peaks["kept"], peaks  # 9.1 MiB measured
+    assert peaks["compressed"] <= 0.55 * peaks["kept"], peaks  # 9.1 MiB measured (traced), 8.1 (kernels)
+
+
+def _compiled_step_peak(model: nn.Module, x: torch.Tensor, config) -> int:
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, config) if config else None
+
+    def step():
+        with compressor.compress() if compressor else contextlib.nullcontext():
+            loss = net(x).square().mean()
+        loss.backward()
+
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        step()
+    model.zero_grad(set_to_none=True)
+    peak = measure_step_memory(step).peak_bytes
+    torch._dynamo.reset()
+    return peak
 
 
 def test_eager_code_between_compiled_graphs_runs_the_engine():
