@@ -320,9 +320,13 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
             words = shlex.split(line)
             words[words.index("--out") + 1] = str(tmp_path / "torch_path.md")
             bench_torch_path.main(words[1:])
-    every = ("cuda", tuple(bench_torch_path.CODECS), ())  # the first call: two shapes, no compiled pipeline
+    every = ("cuda", tuple(bench_torch_path.CODECS), ())  # the first call: one shape, no compiled pipeline
     assert [(a["device"], a["codecs"], a["compiled"]) for a in asked] == [
-        every, every, ("cuda", ("quantize 4-bit", "division"), bench_torch_path.COMPILED)]
+        every, ("cuda", ("quantize 4-bit", "division"), bench_torch_path.COMPILED)]
+    # the compiled model's rows come right after issue #20's, before the torch paths
+    runs = [line for line in calls.read_text().splitlines() if "bench_gpu.py" in line or "bench_torch_path" in line]
+    assert ["gpu_compiled.md" in line for line in runs[:3]] == [False, True, False]
+    assert "compiled, 4-bit" in shlex.split(runs[1])
 
 
 def test_bench_gpu_writes_every_row_as_it_goes_and_keeps_to_its_time_budget(tmp_path):

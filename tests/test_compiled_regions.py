@@ -406,17 +406,28 @@ def test_a_cross_entropys_row_statistics_stay_exact_and_its_logits_take_8_bits()
     torch._dynamo.reset()
 
 
-def test_channels_last_convolutions_decode_in_their_memory_order():
+@pytest.mark.parametrize("kernels, autocast", [
+    (False, None), pytest.param(True, None, marks=[pytest.mark.toolchain, requires_gxx]),
+    pytest.param(True, torch.bfloat16, marks=[pytest.mark.toolchain, requires_gxx])],
+    ids=["traced encode", "kernel encode", "kernel encode, bf16 autocast"])
+def test_channels_last_convolutions_decode_in_their_memory_order(kernels, autocast, request):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 3, padding=1), nn.GELU(),
                           nn.Flatten(), nn.Linear(16 * 8 * 8, 4)).to(memory_format=torch.channels_last)
     x = torch.randn(16, 3, 8, 8).to(memory_format=torch.channels_last)
-    reference = _gradients(model, lambda: model(x))
-    net = torch.compile(model)
-    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
-    grads = _gradients(model, lambda: _compressed(compressor, net)(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+        reference = _gradients(model, lambda: model(x))
+    counting = _Counting(request.getfixturevalue("runner")) if kernels else None
+    with use_runner(counting) if kernels else contextlib.nullcontext():
+        net = torch.compile(model)
+        compressor = act.ActivationCompressor(net, act.ACTConfig(bits=8, adaptive=False, min_numel=1024))
+        grads = _gradients(model, lambda: _compressed(compressor, net, autocast)(x))
     assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.999
-    assert len(_compiled_records(compressor)) >= 3
+    records = _compiled_records(compressor)
+    assert len(records) >= 3
+    if kernels:
+        assert counting.kernels.count("quantize_encode") == counting.kernels.count("quantize_decode") == len(records)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("compress_masks", [True, False])
@@ -522,19 +533,26 @@ def test_conv_activations_are_grouped_in_the_layout_inductor_gives_them(monkeypa
     assert channels_last == (set(encoded) if layout_optimization else set())
 
 
-def test_dynamic_shapes_compile_once_for_every_batch():
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=[pytest.mark.toolchain, requires_gxx])],
+                         ids=["traced encode", "kernel encode"])
+def test_dynamic_shapes_compile_once_for_every_batch(kernels, request):
+    """Symbolic sizes: the kernel encode op's buffers are sized from the symbolic element count too."""
     model = _mlp(width=256)
     counter = CompileCounterWithBackend("inductor")
-    net = torch.compile(model, backend=counter, dynamic=True)
-    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=1024))
-    step = _compressed(compressor, net)
-    for batch in (64, 80, 96):
-        x = torch.randn(batch, 16)
-        reference = _gradients(model, lambda: model(x))
-        grads = _gradients(model, lambda: step(x))
-        assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.995
-        assert {r.original_bytes for r in _compiled_records(compressor)} == {batch * 256 * 4}
+    counting = _Counting(request.getfixturevalue("runner")) if kernels else None
+    with use_runner(counting) if kernels else contextlib.nullcontext():
+        net = torch.compile(model, backend=counter, dynamic=True)
+        compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=1024))
+        step = _compressed(compressor, net)
+        for batch in (64, 80, 96):
+            x = torch.randn(batch, 16)
+            reference = _gradients(model, lambda: model(x))
+            grads = _gradients(model, lambda: step(x))
+            assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.995
+            assert {r.original_bytes for r in _compiled_records(compressor)} == {batch * 256 * 4}
     assert counter.frame_count == 1  # the same hooks every step: no guard fails
+    if kernels:
+        assert counting.kernels.count("quantize_encode") == counting.kernels.count("quantize_decode") > 0
 
 
 def test_other_codecs_keep_compiled_activations_and_say_so():
