@@ -24,7 +24,11 @@ call); that cost, measured the same way around an empty call, is subtracted.
 ``--baseline DIR`` compares with another checkout of the package (``git worktree add DIR <commit>``): each round
 runs one child process per code version, alternating, so both see the same machine load; medians over rounds.
 
-    python benchmarks/bench_host_overhead.py [--quick] [--repeats 15] [--baseline DIR --rounds 3] [--out FILE]
+``--compiled`` adds the narrow model ``torch.compile``'d, compressed inside its graphs by the kernel encode and
+decode ops: host µs per compressed tensor (the compiled graphs run no hook for the others).
+
+    python benchmarks/bench_host_overhead.py [--quick] [--repeats 15] [--baseline DIR --rounds 3] [--compiled]
+                                             [--out FILE]
 """
 from __future__ import annotations
 
@@ -154,6 +158,55 @@ def measure(name: str, options: dict, layers: int, repeats: int, width: str = "B
             "plain_ms": statistics.median(plain_times) * 1e3}
 
 
+def measure_compiled(layers: int, repeats: int) -> dict:
+    """The narrow model ``model.compile()``'d, alone and compressed at 4 bits inside its graphs with the kernel
+    encode and decode ops (``lightning_act::quantize``, ``::dequantize``: what CUDA with CuPy runs), turns taken;
+    (compressed step - the plain one) / the tensors the compiled graphs compress. Each compiles first."""
+    hidden, min_numel = WIDTHS["narrow"]
+    (plain_model, plain_loss), (model, loss_fn) = bert_base(layers, hidden=hidden), bert_base(layers, hidden=hidden)
+    plain_model.compile()
+    model.compile()
+    runner = NoOpRunner()
+    with use_runner(runner):
+        compressor = act.ActivationCompressor(model, act.ACTConfig(bits=4, adaptive=False, backend="cupy",
+                                                                   min_numel=min_numel))
+
+        def compressed() -> None:
+            with compressor.compress():
+                loss = loss_fn()
+            loss.backward()
+
+        started = time.perf_counter()
+        compressed()
+        compile_s = time.perf_counter() - started
+        plain_loss().backward()
+        runner.launches = 0
+        plain_times, compressed_times = [], []
+        for _ in range(repeats):
+            for step, times, net in ((lambda: plain_loss().backward(), plain_times, plain_model),
+                                     (compressed, compressed_times, model)):
+                net.zero_grad(set_to_none=True)
+                start = time.thread_time()
+                step()
+                times.append(time.thread_time() - start)
+    records = [r for r in compressor.stats().records if r.phase == "compiled"]
+    compiled = len(records)
+    return {"config": "compiled, quantize 4-bit (kernel ops)", "model": "narrow", "compressed": compiled,
+            "quantized": sum(r.codec == "quantize" for r in records),
+            "launches_per_step": runner.launches / repeats, "compile_s": compile_s,
+            "step_us_per_compressed": statistics.median(c - p for c, p in zip(compressed_times, plain_times))
+            / compiled * 1e6, "plain_ms": statistics.median(plain_times) * 1e3}
+
+
+def compiled_table(rows: list[dict]) -> str:
+    lines = ["| model | config | tensors compressed in the graphs | kernel launches / step | host µs per compressed "
+             "tensor: step | compiled plain step ms (CPU) | first compressed step s (compiling) |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['config']} | {r['compressed']} | {r['launches_per_step']:.0f} | "
+              f"{r['step_us_per_compressed']:.1f} | {r['plain_ms']:.1f} | {r['compile_s']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | config | saved tensors (compressed) | kernel launches / step | host µs per saved tensor: "
              "step | hooks only | plain step ms (CPU) |", "|---|---|---|---|---|---|---|"]
@@ -200,6 +253,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="child processes per code version (--baseline)")
     parser.add_argument("--out", type=Path, help="write the results here (markdown)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON (what --baseline reads)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also the narrow model torch.compile'd, compressed inside its graphs (compiles for a "
+                             "minute or more; 1 layer with --quick)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # host overhead is single-threaded Python; one thread keeps the plain step steady
     if args.json:
@@ -220,6 +276,10 @@ def main() -> None:
             body = (f"Before: {args.baseline}; after: this checkout. {args.rounds} rounds, each a child process "
                     f"per version, alternating.\n\n{comparison_table(before, after)}\n\nAfter, last round:\n\n"
                     f"{table(rows)}")
+        if args.compiled:
+            compiled_rows = [measure_compiled(1 if args.quick else 12, 3 if args.quick else args.repeats)]
+            body += ("\n\nCompiled (`model.compile()`), the kernel ops per compressed tensor and nothing per other "
+                     f"saved tensor:\n\n{compiled_table(compiled_rows)}")
     summary = load.summary()
     publish(f"{header}\n{body}\n\nMachine load while this ran: {summary['other_cores']:.2f} other cores busy on "
             f"average, load average {summary['loadavg_start']:.1f} -> {summary['loadavg_end']:.1f}\n\n"

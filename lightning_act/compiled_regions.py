@@ -66,6 +66,22 @@ KEPT, QUANTIZE, BITS = "kept", "quantize", "bits"
 _OWNERS: weakref.WeakValueDictionary[int, GraphHooks] = weakref.WeakValueDictionary()
 _OWNER_IDS = itertools.count()
 _aten = torch.ops.aten
+# The ops compiled graphs call once per saved tensor, defined on the dispatcher with one Python kernel per device
+# type: torch.library.custom_op's wrapper cost about 5.5 µs more per call (on this project's CPU).
+_LIBRARY = torch.library.Library("lightning_act", "FRAGMENT")
+
+
+def _op(schema: str, fake):
+    """Define ``lightning_act::<schema>`` with the decorated function as its CPU and CUDA kernel and ``fake`` as
+    its fake (meta) implementation."""
+    def define(fn):
+        name = schema.split("(", 1)[0]
+        _LIBRARY.define(schema)
+        for key in ("CPU", "CUDA"):
+            _LIBRARY.impl(name, fn, key)
+        torch.library.register_fake(f"lightning_act::{name}", fake, lib=_LIBRARY)
+        return fn
+    return define
 
 
 def supported() -> bool:
@@ -157,7 +173,15 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
     return pack_codes_traced(codes.view(-1)[:n], bits), mn, step
 
 
-@torch.library.custom_op("lightning_act::quantize", mutates_args=())
+def _quantize_fake(x, bits, group_size, stats_dtype, owner):
+    n = x.numel()
+    groups = -(-n // group_size)
+    return (x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8), x.new_empty(groups, dtype=stats_dtype),
+            x.new_empty(groups, dtype=stats_dtype))
+
+
+@_op("quantize(Tensor x, int bits, int group_size, ScalarType stats_dtype, int owner) -> (Tensor, Tensor, Tensor)",
+     _quantize_fake)
 def quantize(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, owner: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(payload, mn, step)`` of the flat contiguous ``x`` in the quantize format by the compressor ``owner`` names
@@ -167,30 +191,21 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dty
     hooks = _OWNERS.get(owner)
     codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, stats_dtype)
     key = next(hooks.keys) if hooks is not None else 0
-    n = x.numel()
-    groups = -(-n // group_size)
-    out = (torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device),
-           torch.empty(groups, dtype=stats_dtype, device=x.device), torch.empty(groups, dtype=stats_dtype, device=x.device))
+    out = _quantize_fake(x, bits, group_size, stats_dtype, owner)  # empty buffers of the format's sizes
     runner = codec.kernel_runner(x, x.dtype)
     if runner is None:  # the same bits through the format's torch path
         return quantize_reference(x, bits, group_size, stats_dtype, codec.seed, key)
     return quantize_cuda(x, bits, group_size, stats_dtype, codec.seed, key, runner=runner, out=out, checked=False)
 
 
-@quantize.register_fake
-def _(x, bits, group_size, stats_dtype, owner):
-    n = x.numel()
-    groups = -(-n // group_size)
-    return (x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8), x.new_empty(groups, dtype=stats_dtype),
-            x.new_empty(groups, dtype=stats_dtype))
-
-
-@torch.library.custom_op("lightning_act::dequantize", mutates_args=())
+@_op("dequantize(Tensor payload, Tensor mn, Tensor step, SymInt numel, int bits, int group_size, "
+     "ScalarType dtype, int owner, Tensor? signs=None) -> Tensor",
+     lambda payload, mn, step, numel, bits, group_size, dtype, owner, signs=None: payload.new_empty(numel, dtype=dtype))
 def dequantize(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel: int, bits: int,
                group_size: int, dtype: torch.dtype, owner: int, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode what :func:`encode_traced` stored, with the quantize codec of the compressor ``owner`` names (a
-    default one when it is gone), and record it in that compressor's last step. ``signs``: the tensor's ``x > 0``
-    at 1 bit (``pack_codes_traced``), restored exactly (:func:`restore_signs`)."""
+    """Decode what :func:`encode_traced` or :func:`quantize` stored, with the quantize codec of the compressor
+    ``owner`` names (a default one when it is gone), and record it in that compressor's last step. ``signs``: the
+    tensor's ``x > 0`` at 1 bit (``pack_codes_traced``), restored exactly (:func:`restore_signs`)."""
     hooks = _OWNERS.get(owner)
     codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, mn.dtype)
     buffers = {"payload": payload, "mn": mn, "step": step}
@@ -202,11 +217,6 @@ def dequantize(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, nume
     if hooks is not None:
         hooks.record(numel, dtype, bits, sum(b.numel() * b.element_size() for b in buffers.values()))
     return out
-
-
-@dequantize.register_fake
-def _(payload, mn, step, numel, bits, group_size, dtype, owner, signs=None):
-    return payload.new_empty(numel, dtype=dtype)
 
 
 # (device, dtype) -> the (256, 8) tables of :func:`restore_signs`' bounds for the 8 sign bits of each byte
@@ -328,7 +338,8 @@ def softmax_part(node: torch.fx.Node | None) -> str | None:
     return None
 
 
-@torch.library.custom_op("lightning_act::unpack_mask", mutates_args=())
+@_op("unpack_mask(Tensor payload, SymInt numel, int owner) -> Tensor",
+     lambda payload, numel, owner: payload.new_empty(numel, dtype=torch.bool))
 def unpack_mask(payload: torch.Tensor, numel: int, owner: int) -> torch.Tensor:
     """The ``numel`` flags a compiled forward packed at 1 bit (``pack_codes_traced(flags, 1)``), as bool; recorded
     in the step's statistics like :func:`dequantize`."""
@@ -336,11 +347,6 @@ def unpack_mask(payload: torch.Tensor, numel: int, owner: int) -> torch.Tensor:
     if hooks is not None:
         hooks.record(numel, torch.bool, 1, payload.numel(), codec="bitmask")
     return unpack_bits(payload, numel)
-
-
-@unpack_mask.register_fake
-def _(payload, numel, owner):
-    return payload.new_empty(numel, dtype=torch.bool)
 
 
 def _default_codec(bits: int, group_size: int, stats_dtype: torch.dtype):
