@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cuda.masks import mask_decode_packed, mask_encode_packed
-from ..formats._bitpack import bit_rows, pack_bits, pack_codes_, packed_nbytes, unpack_bits, unpack_codes_, unpack_rows
+from ..formats._bitpack import bit_rows, pack_bits, pack_codes_, packed_nbytes, unpack_bits, unpack_rows
 from . import op_rules, register
 from ._chunks import chunk_elements, pack_chunks, spans, unpack_chunks
 from .bitmask import OneBitCodec
@@ -257,6 +257,9 @@ class MaxPoolIndexCodec(Codec):
                              f"give no output for input_size={self.input_size}; expected a window that fits")
         self.window = math.prod(self.kernel_size)
         self.bits = (self.window - 1).bit_length()
+        self._tables: dict[torch.device, torch.Tensor] = {}
+        # window-local offsets in the narrowest dtype that holds them: the bit-plane passes move a byte each
+        self._offset_dtype = torch.uint8 if self.bits <= 8 else torch.int32
 
     def _window_starts(self, device: torch.device) -> list[torch.Tensor]:
         """Per output position (row-major over ``output_size``), the first input coordinate of its window."""
@@ -265,11 +268,24 @@ class MaxPoolIndexCodec(Codec):
 
     def _planes_per_chunk(self, device: torch.device) -> int:
         """Whole output planes per chunk (at least one), a multiple of the planes that fill whole bytes of a
-        bit-plane, so every chunk's bits start on a byte. An eighth of the float codecs' chunk: the index
-        arithmetic keeps several int64 temporaries of a chunk alive at once."""
+        bit-plane, so every chunk's bits start on a byte. On CPU an eighth of the float codecs' chunk (the index
+        arithmetic keeps several int64 temporaries of a chunk alive at once), elsewhere half of it: a GPU runs each
+        chunk's ops as launches the host waits on (ResNet-50's 128 x 64 x 56 x 56 indices took 49 chunks of
+        about 45 launches each way, 140 ms of host time a step on an H100's host)."""
         per_plane = math.prod(self.output_size)
         align = 8 // math.gcd(per_plane, 8)
-        return align * max(1, chunk_elements(device) // 8 // (per_plane * align))
+        share = 8 if device.type == "cpu" else 2
+        return align * max(1, chunk_elements(device) // share // (per_plane * align))
+
+    def _plane_tables(self, device: torch.device) -> torch.Tensor:
+        """``(bits, 256, 8)``: row ``v`` of table ``b`` holds the bits of byte ``v`` shifted to bit ``b`` (in the
+        offsets' dtype), least significant first, made on the device once: a bit-plane's bytes unpack and take their
+        place in the offsets in one gather."""
+        tables = self._tables.get(device)
+        if tables is None:
+            shifts = torch.arange(self.bits, dtype=self._offset_dtype, device=device)[:, None, None]
+            tables = self._tables[device] = bit_rows(device, self._offset_dtype)[None] << shifts
+        return tables
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         per_plane = math.prod(self.output_size)
@@ -281,24 +297,28 @@ class MaxPoolIndexCodec(Codec):
         starts = self._window_starts(device)
         inside = torch.ones((), dtype=torch.bool, device=device)  # one host read in all, after the last chunk
         planes, chunk = n // per_plane, self._planes_per_chunk(device)
-        codes = None
+        codes = packed = None
         for p0, p1 in spans(planes, chunk):
             index = _plane_rows(x, p0, p1, per_plane, len(self.input_size))
             offsets = [c - start for c, start in zip(_unravel(index, self.input_size), starts)]
-            taps = [off // d for off, d in zip(offsets, self.dilation)]
+            taps = [off if d == 1 else off // d for off, d in zip(offsets, self.dilation)]
             for off, d, t, k in zip(offsets, self.dilation, taps, self.kernel_size):
                 if self.check:
                     inside &= ((off % d == 0) & (t >= 0) & (t < k)).all()
-            local = _ravel(taps, self.kernel_size).reshape(-1)
+            local = _ravel(taps, self.kernel_size).reshape(-1).to(self._offset_dtype)
             m = local.numel()
             whole = -(-m // 8) * 8
-            if codes is None:
-                codes = torch.empty(whole, dtype=torch.uint8, device=device)
+            if codes is None:  # the first chunk is the largest; every bit-plane of a chunk is packed in one pass
+                codes = torch.empty(self.bits * whole, dtype=torch.uint8, device=device)
+                packed = torch.empty(self.bits * whole // 8, dtype=torch.uint8, device=device)
+            rows = codes[: self.bits * whole].view(self.bits, whole)  # plane b: bit b of each index, zero-padded
+            if m < whole:
+                rows[:, m:].zero_()
+            for b in range(self.bits):  # a scalar shift per plane: a broadcast one runs several times slower on CPU
+                torch.bitwise_and(local >> b, 1, out=rows[b, :m])
             byte0 = p0 * per_plane // 8
-            for b in range(self.bits):
-                codes[:m] = (local >> b) & 1
-                codes[m:whole] = 0
-                pack_codes_(codes[:whole], 1, out[b, byte0: byte0 + whole // 8])
+            out[:, byte0: byte0 + whole // 8] = pack_codes_(rows.view(-1), 1, packed[: self.bits * whole // 8]
+                                                            ).view(self.bits, whole // 8)
         if self.check and not bool(inside):
             raise ValueError(f"maxpool_index codec: an index lies outside its pooling window (kernel_size="
                              f"{self.kernel_size}, stride={self.stride}, padding={self.padding}, dilation="
@@ -310,19 +330,19 @@ class MaxPoolIndexCodec(Codec):
         out = torch.empty(n, dtype=torch.int64, device=device)
         starts = self._window_starts(device)
         bit_planes = packed.buffers["planes"]
-        codes = scratch = None
+        tables = self._plane_tables(device)
         for p0, p1 in spans(n // per_plane, self._planes_per_chunk(device)):
             e0, e1 = p0 * per_plane, p1 * per_plane
-            whole = -(-(e1 - e0) // 8) * 8
-            if codes is None:
-                codes = torch.empty(whole, dtype=torch.uint8, device=device)
-                scratch = torch.empty(whole, dtype=torch.uint8, device=device)
-            local = torch.zeros(e1 - e0, dtype=torch.int64, device=device)
+            bytes_ = slice(e0 // 8, e0 // 8 + -(-(e1 - e0) // 8))
+            local = None  # each bit-plane's bytes gathered as their bits in place, ORed together
             for b in range(self.bits):
-                bits = unpack_codes_(bit_planes[b, e0 // 8: e0 // 8 + whole // 8], 1, codes[:whole], scratch)
-                local |= bits[: e1 - e0].to(torch.int64) << b
+                bits = torch.index_select(tables[b], 0, bit_planes[b, bytes_].int()).view(-1)
+                local = bits if local is None else local.bitwise_or_(bits)
+            if local is None:  # a window of one element: every offset is 0
+                local = torch.zeros(e1 - e0, dtype=torch.int64, device=device)
+            local = local[: e1 - e0].long()
             taps = _unravel(local.view(-1, per_plane), self.kernel_size)
-            coords = [start + t * d for start, t, d in zip(starts, taps, self.dilation)]
+            coords = [start + (t if d == 1 else t * d) for start, t, d in zip(starts, taps, self.dilation)]
             out[e0:e1].view(-1, per_plane).copy_(_ravel(coords, self.input_size))
         return out.view(packed.shape)
 
