@@ -49,11 +49,11 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .codecs._chunks import chunk_elements, spans
 from .codecs.base import Packed
-from .cuda.quantize import quantize_cuda
+from .cuda.launcher import PART_ALIGN, BufferLayout, OneBuffer, buffer_layout
 from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_bits, unpack_rows
 from .formats.compiled import quantize_groups
 from .formats.floats import FLOAT_DTYPES
-from .formats.quantize import STATS_DTYPES, quantize_reference
+from .formats.quantize import STATS_DTYPES
 from .stats import COMPRESSED, TensorRecord
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 # The encode's element counter is int32 (quantize_groups): larger tensors are kept.
 MAX_NUMEL = (1 << 31) - 1
 # the forms a compiled forward stores a saved tensor in: the first item of the pack hook's tuple
-KEPT, QUANTIZE, BITS = "kept", "quantize", "bits"
+KEPT, QUANTIZE, KERNEL, BITS = "kept", "quantize", "kernel", "bits"
 _OWNERS: weakref.WeakValueDictionary[int, GraphHooks] = weakref.WeakValueDictionary()
 _OWNER_IDS = itertools.count()
 _aten = torch.ops.aten
@@ -173,29 +173,65 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
     return pack_codes_traced(codes.view(-1)[:n], bits), mn, step
 
 
-def _quantize_fake(x, bits, group_size, stats_dtype, owner):
-    n = x.numel()
-    groups = -(-n // group_size)
-    return (x.new_empty(packed_nbytes(n, bits), dtype=torch.uint8), x.new_empty(groups, dtype=stats_dtype),
-            x.new_empty(groups, dtype=stats_dtype))
+def _buffer_bytes(numel, bits: int, group_size: int, stats_dtype: torch.dtype):
+    """Bytes of the one buffer the kernel encode fills (``cuda.launcher.buffer_layout`` of payload, mn and step,
+    each part padded to ``PART_ALIGN``), from a size that may be symbolic (dynamic shapes)."""
+    groups = -(-numel // group_size)
+    parts = (packed_nbytes(numel, bits), groups * stats_dtype.itemsize, groups * stats_dtype.itemsize)
+    return sum(size + (-size % PART_ALIGN) for size in parts)
 
 
-@_op("quantize(Tensor x, int bits, int group_size, ScalarType stats_dtype, int owner) -> (Tensor, Tensor, Tensor)",
-     _quantize_fake)
-def quantize(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, owner: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(payload, mn, step)`` of the flat contiguous ``x`` in the quantize format by the compressor ``owner`` names
-    (its codec's kernels, each call a fresh noise key): where the kernels run, a compiled forward encodes with
-    this opaque op rather than :func:`encode_traced`, whose graph inductor would compile and run several times
-    more slowly (an H100 ran the traced pipeline at 65 GB/s, the kernel at 427, in float32)."""
+@_op("quantize(Tensor x, int bits, int group_size, ScalarType stats_dtype, int owner) -> Tensor",
+     lambda x, bits, group_size, stats_dtype, owner: x.new_empty(_buffer_bytes(x.numel(), bits, group_size,
+                                                                               stats_dtype), dtype=torch.uint8))
+def quantize(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, owner: int) -> torch.Tensor:
+    """The flat contiguous ``x`` in the quantize format, as the one uint8 buffer the codec's kernel encode fills
+    (payload, mn and step laid out by ``cuda.launcher.buffer_layout``), by the compressor ``owner`` names, each
+    call a fresh noise key: where the kernels run, a compiled forward encodes with this opaque op rather than
+    :func:`encode_traced`, whose graph inductor would compile and run several times more slowly (an H100 ran the
+    traced pipeline at 65 GB/s, the kernel at 427, in float32). :func:`dequantize_buffer` decodes it."""
     hooks = _OWNERS.get(owner)
     codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, stats_dtype)
-    key = next(hooks.keys) if hooks is not None else 0
-    out = _quantize_fake(x, bits, group_size, stats_dtype, owner)  # empty buffers of the format's sizes
-    runner = codec.kernel_runner(x, x.dtype)
-    if runner is None:  # the same bits through the format's torch path
-        return quantize_reference(x, bits, group_size, stats_dtype, codec.seed, key)
-    return quantize_cuda(x, bits, group_size, stats_dtype, codec.seed, key, runner=runner, out=out, checked=False)
+    buffers = codec.encode(x, key=next(hooks.keys) if hooks is not None else 0).buffers
+    if type(buffers) is OneBuffer:
+        return buffers.data
+    laid_out = OneBuffer.empty(_layout(x.numel(), bits, group_size, stats_dtype), x.device)  # the torch path's
+    for name in laid_out:
+        laid_out[name].copy_(buffers[name])
+    return laid_out.data
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(numel: int, bits: int, group_size: int, stats_dtype: torch.dtype) -> BufferLayout:
+    groups = -(-numel // group_size)
+    return buffer_layout((("payload", packed_nbytes(numel, bits), torch.uint8), ("mn", groups, stats_dtype),
+                          ("step", groups, stats_dtype)))
+
+
+def _decoded(hooks: GraphHooks | None, out: torch.Tensor, signs: torch.Tensor | None, numel: int, dtype: torch.dtype,
+             bits: int, stored: int) -> torch.Tensor:
+    """A decode op's result: the signs restored (:func:`restore_signs`) and the tensor recorded."""
+    if signs is not None:
+        out = restore_signs(out, signs)
+        stored += signs.numel()
+    if hooks is not None:
+        hooks.record(numel, dtype, bits, stored)
+    return out
+
+
+@_op("dequantize_buffer(Tensor buffer, SymInt numel, int bits, int group_size, ScalarType dtype, "
+     "ScalarType stats_dtype, int owner, Tensor? signs=None) -> Tensor",
+     lambda buffer, numel, bits, group_size, dtype, stats_dtype, owner, signs=None: buffer.new_empty(numel,
+                                                                                                     dtype=dtype))
+def dequantize_buffer(buffer: torch.Tensor, numel: int, bits: int, group_size: int, dtype: torch.dtype,
+                      stats_dtype: torch.dtype, owner: int, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode what :func:`quantize` stored, as :func:`dequantize` does the traced encode's parts."""
+    hooks = _OWNERS.get(owner)
+    codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, stats_dtype)
+    layout = _layout(numel, bits, group_size, stats_dtype)
+    out = codec.decode(Packed("quantize", (numel,), dtype, buffer.device, OneBuffer(buffer, layout),
+                              {"bits": bits, "group_size": group_size}))
+    return _decoded(hooks, out, signs, numel, dtype, bits, layout.nbytes)
 
 
 @_op("dequantize(Tensor payload, Tensor mn, Tensor step, SymInt numel, int bits, int group_size, "
@@ -203,20 +239,14 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dty
      lambda payload, mn, step, numel, bits, group_size, dtype, owner, signs=None: payload.new_empty(numel, dtype=dtype))
 def dequantize(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel: int, bits: int,
                group_size: int, dtype: torch.dtype, owner: int, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode what :func:`encode_traced` or :func:`quantize` stored, with the quantize codec of the compressor
+    """Decode what :func:`encode_traced` stored, with the quantize codec of the compressor
     ``owner`` names (a default one when it is gone), and record it in that compressor's last step. ``signs``: the
     tensor's ``x > 0`` at 1 bit (``pack_codes_traced``), restored exactly (:func:`restore_signs`)."""
     hooks = _OWNERS.get(owner)
     codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, mn.dtype)
-    buffers = {"payload": payload, "mn": mn, "step": step}
-    out = codec.decode(Packed("quantize", (numel,), dtype, payload.device, buffers,
+    out = codec.decode(Packed("quantize", (numel,), dtype, payload.device, {"payload": payload, "mn": mn, "step": step},
                               {"bits": bits, "group_size": group_size}))
-    if signs is not None:
-        out = restore_signs(out, signs)
-        buffers["signs"] = signs
-    if hooks is not None:
-        hooks.record(numel, dtype, bits, sum(b.numel() * b.element_size() for b in buffers.values()))
-    return out
+    return _decoded(hooks, out, signs, numel, dtype, bits, sum(b.numel() * b.element_size() for b in (payload, mn, step)))
 
 
 # (device, dtype) -> the (256, 8) tables of :func:`restore_signs`' bounds for the 8 sign bits of each byte
@@ -372,6 +402,10 @@ def _unpack(packed, owner: int) -> torch.Tensor:
     if form == BITS:
         payload, shape, inverse = parts
         flat = torch.ops.lightning_act.unpack_mask(payload, math.prod(shape), owner)
+    elif form == KERNEL:
+        buffer, bits, group_size, dtype, stats_dtype, shape, inverse, signs = parts
+        flat = torch.ops.lightning_act.dequantize_buffer(buffer, math.prod(shape), bits, group_size, dtype,
+                                                         stats_dtype, owner, signs)
     else:
         payload, mn, step, bits, group_size, dtype, shape, inverse, signs = parts
         flat = torch.ops.lightning_act.dequantize(payload, mn, step, math.prod(shape), bits, group_size, dtype,
@@ -440,8 +474,9 @@ class GraphHooks:
 
     def pack_traced(self, x: torch.Tensor) -> tuple:
         """What a compiled region stores for ``x`` (a fake tensor while AOTAutograd traces): ``(BITS, ...)``, a
-        bool tensor's flags at 1 bit; ``(QUANTIZE, ...)``, the quantize format's buffers and what the decode
-        needs (with ``x > 0`` at 1 bit when the backward tests the sign: a ReLU output); or ``(KEPT, x)``."""
+        bool tensor's flags at 1 bit; ``(KERNEL, ...)`` (where the kernels run: the kernel encode's one buffer) or
+        ``(QUANTIZE, ...)`` (the traced encode's parts), the quantize format and what the decode needs (with
+        ``x > 0`` at 1 bit when the backward tests the sign: a ReLU output); or ``(KEPT, x)``."""
         takes = (x.dtype in FLOAT_DTYPES and self.bits is not None) or (x.dtype == torch.bool and self.masks)
         context = _saved_tensor_hook_context()
         order = memory_order(x, context) if takes else None
@@ -458,15 +493,16 @@ class GraphHooks:
         dense = x if inverse is None else x.permute(order)
         if x.dtype == torch.bool:  # lossless: dropout's keep masks, comparisons the backward selects by
             return BITS, pack_codes_traced(dense.reshape(-1).to(torch.uint8), 1), tuple(dense.shape), inverse
-        if self.codec(bits).runs_kernels(x):
-            payload, mn, step = torch.ops.lightning_act.quantize(dense.reshape(-1), bits, self.group_size,
-                                                                 self.stats_dtype, self.owner)
-        else:
-            payload, mn, step = encode_traced(dense, bits, self.group_size, self.stats_dtype)
         # what ReLU's backward reads of its output, exact at 1 bit (the eager engine's positive_mask)
         signs = (pack_codes_traced(dense.reshape(-1).gt(0).to(torch.uint8), 1)
                  if self.masks and backward_tests_sign(context) else None)
-        return QUANTIZE, payload, mn, step, bits, self.group_size, x.dtype, tuple(dense.shape), inverse, signs
+        shape = tuple(dense.shape)
+        if self.codec(bits).runs_kernels(x):
+            buffer = torch.ops.lightning_act.quantize(dense.reshape(-1), bits, self.group_size, self.stats_dtype,
+                                                      self.owner)
+            return KERNEL, buffer, bits, self.group_size, x.dtype, self.stats_dtype, shape, inverse, signs
+        payload, mn, step = encode_traced(dense, bits, self.group_size, self.stats_dtype)
+        return QUANTIZE, payload, mn, step, bits, self.group_size, x.dtype, shape, inverse, signs
 
     def codec(self, bits: int):
         return self.compressor.codec("quantize", bits)
@@ -482,10 +518,12 @@ class GraphHooks:
 
 
 def _sink_decodes(graph: torch.fx.Graph) -> None:
-    """Move each decode node (``lightning_act::dequantize``, ``lightning_act::unpack_mask``), with the views of
+    """Move each decode node (``lightning_act::dequantize``, ``::dequantize_buffer``, ``::unpack_mask``), with the views of
     its output, right before the first node that reads them."""
     position = {node: i for i, node in enumerate(graph.nodes)}
-    decodes = [node for op in (torch.ops.lightning_act.dequantize.default, torch.ops.lightning_act.unpack_mask.default)
+    decodes = [node for op in (torch.ops.lightning_act.dequantize.default,
+                               torch.ops.lightning_act.dequantize_buffer.default,
+                               torch.ops.lightning_act.unpack_mask.default)
                for node in graph.find_nodes(op="call_function", target=op)]
     for node in decodes:
         chain = [node]

@@ -112,8 +112,9 @@ class _Counting:
 @pytest.mark.parametrize("n", [1, 255, 3 * 256 + 5])
 @pytest.mark.parametrize("stats_dtype", ["float32", "bfloat16"])
 def test_the_kernel_encode_op_stores_the_formats_bits_with_a_fresh_key_per_call(runner, dtype, n, stats_dtype):
-    """``lightning_act::quantize`` (a compiled forward's encode where the kernels run) is the kernel's encode, bit
-    for bit the format's reference at the codec's seed and keys 1, 2, ...; its fake sizes are the real ones."""
+    """``lightning_act::quantize`` (a compiled forward's encode where the kernels run) is the kernel's encode in
+    one buffer, its parts bit for bit the format's reference at the codec's seed and keys 1, 2, ...; its fake size
+    is the real one; ``dequantize_buffer`` decodes it as the format does."""
     compressor = act.ActivationCompressor(nn.Linear(1, 1), act.ACTConfig(bits=4, adaptive=False, seed=5,
                                                                          stats_dtype=stats_dtype))
     hooks = compiled_regions.GraphHooks(compressor)
@@ -121,15 +122,22 @@ def test_the_kernel_encode_op_stores_the_formats_bits_with_a_fresh_key_per_call(
     x = (torch.randn(n) * 3).to(dtype)
     counting = _Counting(runner)
     with use_runner(counting):
-        outs = [torch.ops.lightning_act.quantize(x, 4, 256, stats, hooks.owner) for _ in range(2)]
-    assert counting.kernels == ["quantize_encode"] * 2
-    for key, out in enumerate(outs, start=1):
-        for got, expected in zip(out, quantize_reference(x, 4, 256, stats, 5, key)):
-            assert_same_bits(got, expected)
-    assert n == 1 or not torch.equal(outs[0][0], outs[1][0])  # one element: its group's minimum, code 0
+        buffers = [torch.ops.lightning_act.quantize(x, 4, 256, stats, hooks.owner) for _ in range(2)]
+        decoded = torch.ops.lightning_act.dequantize_buffer(buffers[0], n, 4, 256, dtype, stats, hooks.owner)
+    assert counting.kernels == ["quantize_encode"] * 2 + ["quantize_decode"]
+    layout = compiled_regions._layout(n, 4, 256, stats)
+    for key, buffer in enumerate(buffers, start=1):
+        assert buffer.dtype == torch.uint8 and buffer.numel() == layout.total
+        parts = compiled_regions.OneBuffer(buffer, layout)
+        expected = quantize_reference(x, 4, 256, stats, 5, key)
+        for name, part in zip(("payload", "mn", "step"), expected):
+            assert_same_bits(parts[name], part)
+    assert_same_bits(decoded, dequantize_reference(*quantize_reference(x, 4, 256, stats, 5, 1), n, 4, 256, dtype))
+    assert n == 1 or not torch.equal(buffers[0], buffers[1])  # one element: its group's minimum, code 0
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = torch.ops.lightning_act.quantize(mode.from_tensor(x), 4, 256, stats, hooks.owner)
-    assert [(f.shape, f.dtype) for f in fake] == [(o.shape, o.dtype) for o in outs[0]]
+    assert (fake.shape, fake.dtype) == (buffers[0].shape, torch.uint8)
+    assert compiled_regions._buffer_bytes(n, 4, 256, stats) == layout.total
 
 
 @pytest.mark.toolchain
