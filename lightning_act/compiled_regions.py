@@ -11,8 +11,8 @@ a compressor:
   on CPU this way, 164 s traced, 42 s uncompressed). Elsewhere the format's encode as traced torch ops
   (:func:`encode_traced`: the statistics, noise and rounding of :func:`lightning_act.formats.compiled.quantize_groups`,
   the codes packed by shifts), which inductor fuses with the ops around it: no host work per tensor at run time.
-* **Backward**: one opaque op per tensor, ``torch.ops.lightning_act.dequantize``, which decodes with the compressor's
-  quantize codec (its CUDA kernel where that runs, else its torch path) and records the tensor in the step's
+* **Backward**: one opaque op per tensor, ``torch.ops.lightning_act.dequantize_buffer`` (the kernel encode's form)
+  or ``dequantize`` (the traced one's), which decodes with the compressor's quantize codec (its CUDA kernel where that runs, else its torch path) and records the tensor in the step's
   statistics (``phase="compiled"``). AOTAutograd puts the unpack graphs in the backward's prologue, where every
   activation would be decoded as the backward starts (the uncompressed step's peak again); the post-grad pass
   :class:`SinkDecodes` moves each decode right before the first op that reads it.
@@ -22,8 +22,8 @@ a compressor:
 Inside compiled regions float tensors are stored in the quantize format (``formats.quantize``), at the config's
 ``bits`` (its average when ``adaptive``), ``group_size`` and ``stats_dtype``; the traced encode's noise comes from
 ``torch.randint`` in the graph, the kernel encode's from the codec's keyed stream at keys counted per hooks (under
-CUDA graphs a replay would repeat its captured keys: untested), so neither is the eager path's stream. Bool tensors (dropout's keep masks, the comparisons a
-backward selects by) are packed at 1 bit, losslessly, when ``compress_masks`` is on (``unpack_mask`` decodes
+CUDA graphs a replay would repeat its captured keys: untested), so neither is the eager path's stream. Bool
+tensors (dropout's keep masks, the comparisons a backward selects by) are packed at 1 bit, losslessly, when ``compress_masks`` is on (``unpack_mask`` decodes
 them); so is the sign of a float tensor whose backward compares it with 0 (a ReLU output the next layer also
 saves), beside its codes, and the decode restores it exactly (:func:`restore_signs`). Kept as they are there:
 float tensors of other codecs' configs (``division``, ``lorenzo``, ``bits`` 16/32), what an attention backward
@@ -244,9 +244,10 @@ def dequantize(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, nume
     tensor's ``x > 0`` at 1 bit (``pack_codes_traced``), restored exactly (:func:`restore_signs`)."""
     hooks = _OWNERS.get(owner)
     codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, mn.dtype)
-    out = codec.decode(Packed("quantize", (numel,), dtype, payload.device, {"payload": payload, "mn": mn, "step": step},
-                              {"bits": bits, "group_size": group_size}))
-    return _decoded(hooks, out, signs, numel, dtype, bits, sum(b.numel() * b.element_size() for b in (payload, mn, step)))
+    parts = {"payload": payload, "mn": mn, "step": step}
+    out = codec.decode(Packed("quantize", (numel,), dtype, payload.device, parts, {"bits": bits,
+                                                                                  "group_size": group_size}))
+    return _decoded(hooks, out, signs, numel, dtype, bits, sum(b.numel() * b.element_size() for b in parts.values()))
 
 
 # (device, dtype) -> the (256, 8) tables of :func:`restore_signs`' bounds for the 8 sign bits of each byte
@@ -518,8 +519,8 @@ class GraphHooks:
 
 
 def _sink_decodes(graph: torch.fx.Graph) -> None:
-    """Move each decode node (``lightning_act::dequantize``, ``::dequantize_buffer``, ``::unpack_mask``), with the views of
-    its output, right before the first node that reads them."""
+    """Move each decode node (``lightning_act::dequantize``, ``::dequantize_buffer``, ``::unpack_mask``), with the
+    views of its output, right before the first node that reads them."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     decodes = [node for op in (torch.ops.lightning_act.dequantize.default,
                                torch.ops.lightning_act.dequantize_buffer.default,

@@ -138,6 +138,10 @@ def test_the_kernel_encode_op_stores_the_formats_bits_with_a_fresh_key_per_call(
         fake = torch.ops.lightning_act.quantize(mode.from_tensor(x), 4, 256, stats, hooks.owner)
     assert (fake.shape, fake.dtype) == (buffers[0].shape, torch.uint8)
     assert compiled_regions._buffer_bytes(n, 4, 256, stats) == layout.total
+    # where the kernels stopped running after the graph was traced, the torch path fills the same layout (key 3)
+    fallback = compiled_regions.OneBuffer(torch.ops.lightning_act.quantize(x, 4, 256, stats, hooks.owner), layout)
+    for name, part in zip(("payload", "mn", "step"), quantize_reference(x, 4, 256, stats, 5, 3)):
+        assert_same_bits(fallback[name], part)
 
 
 @pytest.mark.toolchain
