@@ -311,8 +311,9 @@ class Checks:
 
     def compiled_model(self, build: Callable | None = None) -> str | None:
         """A torch.compile'd step (``build()``'s model and loss; default BERT) under bf16 autocast at 4 bits:
-        activations compressed inside its graphs (Triton encode, the codec's decode), gradients close to the
-        compiled uncompressed step's (no dropout: compiled graphs draw their masks in their own order)."""
+        activations compressed inside its graphs (the kernel encode op with CuPy, else the traced encode; the
+        codec's decode), gradients close to the compiled uncompressed step's (no dropout: compiled graphs draw
+        their masks in their own order)."""
         model, loss_fn = build() if build is not None else self._bert(dropout=0.0, padded=True)
         model.compile()
         config = act.ACTConfig(bits=4, adaptive=False)
@@ -324,10 +325,14 @@ class Checks:
             model._compiled_call_impl = None
             torch._dynamo.reset()
         inside = sum(r.phase == "compiled" for r in compressor.stats().records)
+        encoded = next(compressor.graph_hooks.keys) - 1  # calls of the kernel encode op, lightning_act::quantize
         cosine = float(torch.nn.functional.cosine_similarity(grads, exact, dim=0))
-        self.note = f"gradient cosine {cosine:.4f} to the compiled uncompressed step's; {inside} tensors compressed"
+        self.note = (f"gradient cosine {cosine:.4f} to the compiled uncompressed step's; {inside} tensors compressed, "
+                     f"{encoded} encodes by the kernel op")
         if not inside:
             return "no tensor compressed inside the compiled graphs"
+        if self.cuda and act.cuda.cupy_available() and not encoded:
+            return "the compiled graphs encoded by traced ops, not the kernel encode op"
         if not (torch.isfinite(grads).all() and abs(compressed_loss - loss) < 1e-2 * max(1.0, abs(loss))):
             return f"loss {compressed_loss} against {loss} uncompressed, or non-finite gradients"
         return None if cosine > 0.9 else f"gradient cosine {cosine:.4f} (want > 0.9)"

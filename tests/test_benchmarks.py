@@ -398,6 +398,7 @@ def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes
     assert checks.rows[3]["detail"].startswith("gradient cosine 0.9")
     assert checks.rows[5]["detail"].startswith("gradient cosine 0.9")
     assert checks.rows[6]["detail"].startswith("gradient cosine 0.9")
+    assert checks.rows[5]["detail"].endswith(", 0 encodes by the kernel op")  # no kernels on CPU: the traced encode
 
     encode = cuda_quantize.QuantizeKernels.encode
 
