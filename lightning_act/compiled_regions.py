@@ -7,7 +7,7 @@ graphs instead, when they are the innermost hooks while the region compiles. :cl
 a compressor:
 
 * **Forward**: where the quantize codec's kernels run (CUDA with CuPy), one opaque op per tensor,
-  ``torch.ops.lightning_act.quantize``: the kernel's encode, a launch per tensor (BERT-base compiled cold in 69 s
+  ``torch.ops.lightning_act.quantize``: the kernel's encode, a launch per tensor (BERT-base compiled cold in 59 s
   on CPU this way, 164 s traced, 42 s uncompressed). Elsewhere the format's encode as traced torch ops
   (:func:`encode_traced`: the statistics, noise and rounding of :func:`lightning_act.formats.compiled.quantize_groups`,
   the codes packed by shifts), which inductor fuses with the ops around it: no host work per tensor at run time.
