@@ -62,5 +62,7 @@ def _warn_torch_path_on_cuda() -> None:
     if not _warned_torch_path_on_cuda:
         _warned_torch_path_on_cuda = True
         warnings.warn("lightning_act: CuPy is not installed, so activations on CUDA are compressed by the pure-torch "
-                      f"path, 35-114x slower than the CUDA kernels on an H100: {cuda.INSTALL_HINT}. "
-                      "ACTConfig(backend='torch') chooses that path and silences this warning.", stacklevel=3)
+                      f"path, 22-125x slower than the CUDA kernels on an H100: {cuda.INSTALL_HINT}. "
+                      "ACTConfig(backend='compile') runs quantize and division through torch.compile instead (4-7x "
+                      "slower than the kernels there, after seconds of compiling per format); "
+                      "ACTConfig(backend='torch') chooses the plain path and silences this warning.", stacklevel=3)
