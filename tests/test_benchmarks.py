@@ -336,10 +336,12 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
     every = ("cuda", tuple(bench_torch_path.CODECS), ())  # the first call: one shape, no compiled pipeline
     assert [(a["device"], a["codecs"], a["compiled"]) for a in asked] == [
         every, ("cuda", ("quantize 4-bit", "division"), bench_torch_path.COMPILED)]
-    # the compiled model's rows come right after issue #20's, before the torch paths
-    runs = [line for line in calls.read_text().splitlines() if "bench_gpu.py" in line or "bench_torch_path" in line]
-    assert ["gpu_compiled.md" in line for line in runs[:3]] == [False, True, False]
-    assert "compiled, 4-bit" in shlex.split(runs[1])
+    # the compiled model's rows first (not measured on a GPU yet), then issue #20's with ResNet-50 first
+    runs = [shlex.split(line) for line in calls.read_text().splitlines()
+            if "bench_gpu.py" in line or "bench_torch_path" in line]
+    assert "compiled, 4-bit" in runs[0] and runs[0][runs[0].index("--out") + 1].endswith("gpu_compiled.md")
+    assert runs[1][runs[1].index("--out") + 1].endswith("/gpu.md") and runs[1].index("resnet50") < runs[1].index(
+        "bert-base")
 
 
 def test_bench_gpu_writes_every_row_as_it_goes_and_keeps_to_its_time_budget(tmp_path):
