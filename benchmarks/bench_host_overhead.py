@@ -160,7 +160,7 @@ def measure(name: str, options: dict, layers: int, repeats: int, width: str = "B
 
 def measure_compiled(layers: int, repeats: int) -> dict:
     """The narrow model ``model.compile()``'d, alone and compressed at 4 bits inside its graphs with the kernel
-    encode and decode ops (``lightning_act::quantize``, ``::dequantize``: what CUDA with CuPy runs), turns taken;
+    encode and decode ops (``lightning_act::quantize``, ``::dequantize_buffer``: what CUDA with CuPy runs), turns taken;
     (compressed step - the plain one) / the tensors the compiled graphs compress. Each compiles first."""
     hidden, min_numel = WIDTHS["narrow"]
     (plain_model, plain_loss), (model, loss_fn) = bert_base(layers, hidden=hidden), bert_base(layers, hidden=hidden)
