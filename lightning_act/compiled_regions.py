@@ -49,7 +49,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .codecs._chunks import chunk_elements, spans
 from .codecs.base import Packed
-from .cuda.launcher import PART_ALIGN, BufferLayout, OneBuffer, buffer_layout
+from .cuda.launcher import PART_ALIGN, OneBuffer
+from .cuda.quantize import encoded_layout
 from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_bits, unpack_rows
 from .formats.compiled import quantize_groups
 from .formats.floats import FLOAT_DTYPES
@@ -174,8 +175,8 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
 
 
 def _buffer_bytes(numel, bits: int, group_size: int, stats_dtype: torch.dtype):
-    """Bytes of the one buffer the kernel encode fills (``cuda.launcher.buffer_layout`` of payload, mn and step,
-    each part padded to ``PART_ALIGN``), from a size that may be symbolic (dynamic shapes)."""
+    """``cuda.quantize.encoded_layout(...).total`` (each part padded to ``PART_ALIGN``) from an element count that
+    may be symbolic (dynamic shapes), which the layout's cache cannot hash."""
     groups = -(-numel // group_size)
     parts = (packed_nbytes(numel, bits), groups * stats_dtype.itemsize, groups * stats_dtype.itemsize)
     return sum(size + (-size % PART_ALIGN) for size in parts)
@@ -186,7 +187,7 @@ def _buffer_bytes(numel, bits: int, group_size: int, stats_dtype: torch.dtype):
                                                                                stats_dtype), dtype=torch.uint8))
 def quantize(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dtype, owner: int) -> torch.Tensor:
     """The flat contiguous ``x`` in the quantize format, as the one uint8 buffer the codec's kernel encode fills
-    (payload, mn and step laid out by ``cuda.launcher.buffer_layout``), by the compressor ``owner`` names, each
+    (payload, mn and step laid out by ``cuda.quantize.encoded_layout``), by the compressor ``owner`` names, each
     call a fresh noise key: where the kernels run, a compiled forward encodes with this opaque op rather than
     :func:`encode_traced`, whose graph inductor would compile and run several times more slowly (an H100 ran the
     traced pipeline at 65 GB/s, the kernel at 427, in float32). :func:`dequantize_buffer` decodes it."""
@@ -195,17 +196,10 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dty
     buffers = codec.encode(x, key=next(hooks.keys) if hooks is not None else 0).buffers
     if type(buffers) is OneBuffer:
         return buffers.data
-    laid_out = OneBuffer.empty(_layout(x.numel(), bits, group_size, stats_dtype), x.device)  # the torch path's
+    laid_out = OneBuffer.empty(encoded_layout(x.numel(), bits, group_size, stats_dtype), x.device)  # the torch path's
     for name in laid_out:
         laid_out[name].copy_(buffers[name])
     return laid_out.data
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout(numel: int, bits: int, group_size: int, stats_dtype: torch.dtype) -> BufferLayout:
-    groups = -(-numel // group_size)
-    return buffer_layout((("payload", packed_nbytes(numel, bits), torch.uint8), ("mn", groups, stats_dtype),
-                          ("step", groups, stats_dtype)))
 
 
 def _decoded(hooks: GraphHooks | None, out: torch.Tensor, signs: torch.Tensor | None, numel: int, dtype: torch.dtype,
@@ -228,7 +222,7 @@ def dequantize_buffer(buffer: torch.Tensor, numel: int, bits: int, group_size: i
     """Decode what :func:`quantize` stored, as :func:`dequantize` does the traced encode's parts."""
     hooks = _OWNERS.get(owner)
     codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, stats_dtype)
-    layout = _layout(numel, bits, group_size, stats_dtype)
+    layout = encoded_layout(numel, bits, group_size, stats_dtype)
     out = codec.decode(Packed("quantize", (numel,), dtype, buffer.device, OneBuffer(buffer, layout),
                               {"bits": bits, "group_size": group_size}))
     return _decoded(hooks, out, signs, numel, dtype, bits, layout.nbytes)

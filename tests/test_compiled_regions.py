@@ -108,7 +108,7 @@ class _Counting:
 
 @pytest.mark.toolchain
 @requires_gxx
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 255, 3 * 256 + 5])
 @pytest.mark.parametrize("stats_dtype", ["float32", "bfloat16"])
 def test_the_kernel_encode_op_stores_the_formats_bits_with_a_fresh_key_per_call(runner, dtype, n, stats_dtype):
@@ -125,7 +125,7 @@ def test_the_kernel_encode_op_stores_the_formats_bits_with_a_fresh_key_per_call(
         buffers = [torch.ops.lightning_act.quantize(x, 4, 256, stats, hooks.owner) for _ in range(2)]
         decoded = torch.ops.lightning_act.dequantize_buffer(buffers[0], n, 4, 256, dtype, stats, hooks.owner)
     assert counting.kernels == ["quantize_encode"] * 2 + ["quantize_decode"]
-    layout = compiled_regions._layout(n, 4, 256, stats)
+    layout = compiled_regions.encoded_layout(n, 4, 256, stats)
     for key, buffer in enumerate(buffers, start=1):
         assert buffer.dtype == torch.uint8 and buffer.numel() == layout.total
         parts = compiled_regions.OneBuffer(buffer, layout)

@@ -98,6 +98,7 @@ POOLS = [  # (pool function, input shape, pooling arguments, bits per index)
     (F.max_pool2d, (2, 5, 7), dict(kernel_size=1), 0),
     (F.max_pool3d, (2, 3, 4, 6, 7), dict(kernel_size=3, stride=2, padding=1), 5),
     (F.max_pool3d, (1, 2, 5, 5, 5), dict(kernel_size=(1, 2, 3), stride=(1, 2, 2), ceil_mode=True), 3),
+    (F.max_pool3d, (1, 2, 5, 9, 10), dict(kernel_size=(4, 8, 9)), 9),  # offsets past a byte: int32 bit-planes
 ]
 
 
@@ -111,6 +112,21 @@ def test_maxpool_index_round_trips_exactly_in_the_fewest_bits(pool, shape, args,
     assert packed.nbytes == bits * math.ceil(index.numel() / 8)
     decoded = codec.decode(packed)
     assert decoded.dtype == torch.int64 and torch.equal(decoded, index)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "cl"])
+def test_maxpool_index_round_trips_over_many_chunks_in_every_layout(monkeypatch, dtype, memory_format):
+    """Chunks of a few planes (the last one partial): each chunk's bit-planes are packed and unpacked at its own
+    byte offset; the indices of a channels_last input are read plane by plane."""
+    from lightning_act.codecs import masks
+
+    monkeypatch.setattr(masks, "chunk_elements", lambda device: 8 * 3 * 25)  # 3 planes of 5 x 5 per chunk
+    x = torch.randn(2, 5, 10, 11, dtype=dtype).to(memory_format=memory_format)
+    _, index = F.max_pool2d(x, 3, 2, 1, return_indices=True)
+    codec = act.codecs.get("maxpool_index", kernel_size=3, stride=2, padding=1, input_size=(10, 11))
+    assert codec._planes_per_chunk(index.device) * math.prod(codec.output_size) < index.numel()
+    assert torch.equal(codec.decode(codec.encode(index)), index)
 
 
 def test_maxpool_index_runs_few_ops_on_a_gpu_sized_tensor():

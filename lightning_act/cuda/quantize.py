@@ -103,11 +103,17 @@ _PLANS_PER_FORMAT = 4096
 
 
 @functools.lru_cache(maxsize=_PLANS_PER_FORMAT)
+def encoded_layout(numel: int, bits: int, group_size: int, stats_dtype: torch.dtype) -> BufferLayout:
+    """Where the encode kernel's one buffer holds ``payload``, ``mn`` and ``step`` for ``numel`` elements."""
+    groups = -(-numel // group_size)
+    return buffer_layout((("payload", packed_nbytes(numel, bits), torch.uint8), ("mn", groups, stats_dtype),
+                          ("step", groups, stats_dtype)))
+
+
+@functools.lru_cache(maxsize=_PLANS_PER_FORMAT)
 def _encode_plan(numel: int, dtype: torch.dtype, bits: int, group_size: int, stats_dtype: torch.dtype,
                  multiprocessors: int, max_blocks: int) -> _Plan:
-    groups = -(-numel // group_size)
-    layout = buffer_layout((("payload", packed_nbytes(numel, bits), torch.uint8), ("mn", groups, stats_dtype),
-                            ("step", groups, stats_dtype)))
+    layout = encoded_layout(numel, bits, group_size, stats_dtype)
     grid, block, shared = _config(numel, group_size, multiprocessors, max_blocks) if numel else (None, None, 0)
     args = (np.int32(DTYPE_CODES[dtype]), np.int64(numel), np.int32(bits), np.int32(group_size))
     return _Plan(layout, grid, block, shared, args, np.int32(DTYPE_CODES[stats_dtype]))
