@@ -70,7 +70,7 @@ class NoOpRunner:
 WIDTHS = {"BERT-base": (768, 4096), "narrow": (96, 256)}  # model -> (hidden size, the compressor's min_numel)
 
 
-def bert_base(layers: int = 12, seq: int = 8, batch: int = 1, hidden: int = 768):
+def bert_base(layers: int = 12, seq: int = 8, batch: int = 1, hidden: int = 768, device: str | torch.device = "cpu"):
     """BERT-base from its config (random weights, nothing downloaded), one fixed batch; ``(model, loss_fn)``.
     ``hidden`` other than 768 keeps the layers, heads and ops and scales the widths."""
     from transformers import BertConfig, BertForSequenceClassification
@@ -78,9 +78,9 @@ def bert_base(layers: int = 12, seq: int = 8, batch: int = 1, hidden: int = 768)
     torch.manual_seed(0)
     config = BertConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
                         hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, vocab_size=1024)
-    model = BertForSequenceClassification(config).train()
-    ids = torch.randint(0, config.vocab_size, (batch, seq))
-    labels = torch.randint(0, 2, (batch,))
+    model = BertForSequenceClassification(config).train().to(device)
+    ids = torch.randint(0, config.vocab_size, (batch, seq)).to(device)
+    labels = torch.randint(0, 2, (batch,)).to(device)
     return model, lambda: model(input_ids=ids, labels=labels).loss
 
 

@@ -529,3 +529,28 @@ def test_timing_child_times_without_the_pin_that_faults_every_large_block(tmp_pa
     assert child["argv"] == ["--quick", "x"] and child["pin"] is None
     assert child["faults"] < 50
     assert "timing child" in child["peak_error"]
+
+
+def test_bench_host_calls_times_each_layer_of_the_path_and_an_eager_step():
+    """bench_host_calls.py on CPU (no-op kernels): every layer of the per-tensor path timed in both threads, the
+    dispatcher ops no cheaper than their Python kernels' share, and the eager narrow step's extra time per
+    compressed tensor."""
+    pytest.importorskip("transformers")
+    import bench_host_calls
+    from lightning_act.cuda.launcher import use_runner
+
+    device = torch.device("cpu")
+    with use_runner(bench_host_calls.NoOpRunner()):
+        calls = bench_host_calls.measure_calls(device, calls=20)
+        steps = bench_host_calls.measure_steps(device, layers=1, repeats=2, compile_models=False)
+    names = [r["call"] for r in calls]
+    assert names[0] == "torch.empty" and "compiled op dequantize_buffer, through the dispatcher" in names
+    assert all(r["main_us"] > 0 and r["thread_us"] > 0 for r in calls)
+    [eager] = steps
+    assert eager["model"] == "eager" and eager["compressed"] > 0 and eager["plain_ms"] > 0
+    assert math.isfinite(eager["us_per_compressed"])
+    text = bench_host_calls.report(device, calls, steps, "python benchmarks/bench_host_calls.py")
+    assert f"| torch.empty | {calls[0]['main_us']:.1f} | {calls[0]['thread_us']:.1f} |" in text
+    assert f"| eager | {eager['compressed']} | {eager['plain_ms']:.2f} |" in text
+    with pytest.raises(ValueError, match="--device tpu; expected cpu or cuda"):
+        bench_host_calls.main(["--device", "tpu"])
