@@ -3,8 +3,8 @@ compressed tensor goes, in eager steps and in compiled ones.
 
 1. Calls: each layer of the path, from a bare ``torch.empty`` to the compiled graphs' dispatcher ops
    (``lightning_act::quantize``, ``::dequantize_buffer``), called ``--calls`` times on a small tensor (4096 bf16
-   elements: its kernels take a few µs, so the clock reads the host's time), the device synchronised before and
-   after: wall µs per call. Each runs in the calling thread and in a second thread: autograd runs a CUDA backward,
+   elements: its kernels take a few µs, so the clock reads the host's time), in 5 rounds, the device synchronised
+   around each: wall µs per call in the best round. Each runs in the calling thread and in a second thread: autograd runs a CUDA backward,
    where the decodes are, in a thread of its own.
 2. Steps: the narrow BERT of ``bench_host_overhead`` (hidden 96, batch 1 x 8 tokens: host-bound on a GPU) eager
    and ``torch.compile``'d, each plain and compressed at 4 bits, taking turns: wall ms per step (medians) and the
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_host_overhead import NoOpRunner, bert_base
+from bench_host_overhead import NoOpRunner, bert_base, plain_and_compressed_steps
 from models import machine, publish
 
 import lightning_act as act
@@ -41,19 +41,24 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def per_call_us(fn, calls: int, device: torch.device, in_thread: bool) -> float:
-    """Wall µs per call of ``fn`` over ``calls`` calls (after one), the device synchronised around them, in this
+def per_call_us(fn, calls: int, device: torch.device, in_thread: bool, rounds: int = 5) -> float:
+    """Wall µs per call of ``fn``: the best of ``rounds`` rounds of ``calls // rounds`` calls (after one), the
+    device synchronised around each round (the best round: what the calls cost when nothing else runs), in this
     thread or in a new one."""
     result = []
+    per_round = max(1, calls // rounds)
 
     def loop() -> None:
         fn()
-        _synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _synchronize(device)
-        result.append((time.perf_counter() - start) / calls * 1e6)
+        best = float("inf")
+        for _ in range(rounds):
+            _synchronize(device)
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            _synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        result.append(best / per_round * 1e6)
 
     if in_thread:
         thread = threading.Thread(target=loop)
@@ -121,15 +126,7 @@ def measure_steps(device: torch.device, layers: int, repeats: int, compile_model
         if compiled:
             model.compile()
         compressor = _compressor(model)
-
-        def plain() -> None:
-            loss_fn().backward()
-
-        def compressed() -> None:
-            with compressor.compress():
-                loss = loss_fn()
-            loss.backward()
-
+        plain, compressed = plain_and_compressed_steps(compressor, loss_fn)
         times = {plain: [], compressed: []}
         started = time.perf_counter()
         compressed()
@@ -156,7 +153,8 @@ def measure_steps(device: torch.device, layers: int, repeats: int, compile_model
 def report(device: torch.device, calls: list[dict], steps: list[dict], command: str) -> str:
     lines = [f"# Host µs per call on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}",
              "", f"{machine()}. Command: `{command}`", "",
-             f"Calls on a {NUMEL}-element bfloat16 tensor, wall µs per call (device synchronised around the loop):",
+             f"Calls on a {NUMEL}-element bfloat16 tensor, wall µs per call (the best of 5 rounds, the device "
+             "synchronised around each):",
              "", "| call | this thread | a second thread |", "|---|---|---|"]
     lines += [f"| {r['call']} | {r['main_us']:.1f} | {r['thread_us']:.1f} |" for r in calls]
     if steps:

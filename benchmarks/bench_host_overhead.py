@@ -112,6 +112,19 @@ class _HookClock:
         return clock.seconds / calls
 
 
+def plain_and_compressed_steps(compressor: act.ActivationCompressor, loss_fn):
+    """``(plain, compressed)``: one forward and backward of ``loss_fn`` without and with ``compressor``."""
+    def plain() -> None:
+        loss_fn().backward()
+
+    def compressed() -> None:
+        with compressor.compress():
+            loss = loss_fn()
+        loss.backward()
+
+    return plain, compressed
+
+
 def measure(name: str, options: dict, layers: int, repeats: int, width: str = "BERT-base") -> dict:
     hidden, min_numel = WIDTHS[width]
     model, loss_fn = bert_base(layers, hidden=hidden)
@@ -122,14 +135,7 @@ def measure(name: str, options: dict, layers: int, repeats: int, width: str = "B
     hooks = compressor._pack, compressor._unpack
     timed_hooks = clock.wrap(hooks[0]), clock.wrap(hooks[1])
 
-    def plain() -> None:
-        loss_fn().backward()
-
-    def compressed() -> None:
-        with compressor.compress():
-            loss = loss_fn()
-        loss.backward()
-
+    plain, compressed = plain_and_compressed_steps(compressor, loss_fn)
     # three steps take turns: plain, compressed (the step figure, no clock inside), compressed with the hooks
     # clocked (the hooks figure): the clock's own reads are system calls, which a whole-step figure must not count
     plain_times, compressed_times, hook_times = [], [], []

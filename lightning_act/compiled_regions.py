@@ -49,7 +49,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .codecs._chunks import chunk_elements, spans
 from .codecs.base import Packed
-from .cuda.launcher import PART_ALIGN, OneBuffer
+from .cuda.launcher import PART_ALIGN, OneBuffer, runner_override
 from .cuda.quantize import encoded_layout
 from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_bits, unpack_rows
 from .formats.compiled import quantize_groups
@@ -192,7 +192,10 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torch.dty
     :func:`encode_traced`, whose graph inductor would compile and run several times more slowly (an H100 ran the
     traced pipeline at 65 GB/s, the kernel at 427, in float32). :func:`dequantize_buffer` decodes it."""
     hooks = _OWNERS.get(owner)
-    codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, stats_dtype)
+    kernels = hooks.kernels(bits, group_size, stats_dtype, x, x.dtype) if hooks is not None else None
+    if kernels is not None:
+        return kernels[0].encode(x.contiguous(), next(hooks.keys), kernels[1]).data
+    codec = _format_codec(hooks, bits, group_size, stats_dtype)
     buffers = codec.encode(x, key=next(hooks.keys) if hooks is not None else 0).buffers
     if type(buffers) is OneBuffer:
         return buffers.data
@@ -221,10 +224,13 @@ def dequantize_buffer(buffer: torch.Tensor, numel: int, bits: int, group_size: i
                       stats_dtype: torch.dtype, owner: int, signs: torch.Tensor | None = None) -> torch.Tensor:
     """Decode what :func:`quantize` stored, as :func:`dequantize` does the traced encode's parts."""
     hooks = _OWNERS.get(owner)
-    codec = hooks.codec(bits) if hooks is not None else _default_codec(bits, group_size, stats_dtype)
     layout = encoded_layout(numel, bits, group_size, stats_dtype)
-    out = codec.decode(Packed("quantize", (numel,), dtype, buffer.device, OneBuffer(buffer, layout),
-                              {"bits": bits, "group_size": group_size}))
+    kernels = hooks.kernels(bits, group_size, stats_dtype, buffer, dtype) if hooks is not None else None
+    if kernels is not None:
+        out = kernels[0].decode(OneBuffer(buffer, layout), (numel,), dtype, kernels[1])
+    else:
+        out = _format_codec(hooks, bits, group_size, stats_dtype).decode(Packed("quantize", (numel,), dtype, buffer.device, OneBuffer(buffer, layout),
+                                  {"bits": bits, "group_size": group_size}))
     return _decoded(hooks, out, signs, numel, dtype, bits, layout.nbytes)
 
 
@@ -374,6 +380,16 @@ def unpack_mask(payload: torch.Tensor, numel: int, owner: int) -> torch.Tensor:
     return unpack_bits(payload, numel)
 
 
+def _format_codec(hooks: GraphHooks | None, bits: int, group_size: int, stats_dtype: torch.dtype):
+    """The quantize codec of an op's format: the compressor's at ``bits`` (its seed and backend) where the format
+    is its own, else a default one (the op's buffer must hold the op's format, whoever encodes it)."""
+    if hooks is not None:
+        codec = hooks.codec(bits)
+        if (codec.group_size, codec.stats_dtype) == (group_size, stats_dtype):
+            return codec
+    return _default_codec(bits, group_size, stats_dtype)
+
+
 def _default_codec(bits: int, group_size: int, stats_dtype: torch.dtype):
     from . import codecs
 
@@ -443,6 +459,7 @@ class GraphHooks:
         self._compressor = weakref.ref(compressor)
         self.owner = next(_OWNER_IDS)
         self.keys = itertools.count(1)  # noise keys of the kernel encodes (lightning_act::quantize)
+        self._kernels: dict[tuple, tuple | None] = {}  # kernels()' answers
         _OWNERS[self.owner] = self
         self.bits = config.bits if compresses_in_graph(config) else None
         self.masks = config.enabled and config.compress_masks
@@ -501,6 +518,23 @@ class GraphHooks:
 
     def codec(self, bits: int):
         return self.compressor.codec("quantize", bits)
+
+    def kernels(self, bits: int, group_size: int, stats_dtype: torch.dtype, t: torch.Tensor, dtype: torch.dtype):
+        """``(QuantizeKernels, runner)`` of the quantize codec at ``bits`` where its kernels encode ``t`` (or
+        decode buffer ``t`` into values of ``dtype``) in this format, else None: what the compiled ops call
+        straight, past the codec's per-call checks and its ``Packed`` (about a third of an op call's host time).
+        Looked up per format, device, dtype and installed runner (:func:`~lightning_act.cuda.launcher.use_runner`),
+        as the codec's own route."""
+        key = (bits, group_size, stats_dtype, t.device, dtype, runner_override())
+        found = self._kernels.get(key, self)  # self: not looked up yet (None is an answer)
+        if found is self:
+            codec = self.codec(bits)
+            found = codec.kernel_path(t, dtype) if codec is _format_codec(self, bits, group_size, stats_dtype) \
+                else None
+            if len(self._kernels) >= 64:  # (tests install many runners; a model meets a few devices and dtypes)
+                self._kernels.clear()
+            self._kernels[key] = found
+        return found
 
     def record(self, numel: int, dtype: torch.dtype, bits: int, stored: int, codec: str = "quantize") -> None:
         """Count a tensor a compiled backward decoded in the compressor's last step (its forward has ended)."""

@@ -144,6 +144,33 @@ def test_the_kernel_encode_op_stores_the_formats_bits_with_a_fresh_key_per_call(
         assert_same_bits(fallback[name], part)
 
 
+def test_the_compiled_ops_take_the_kernel_path_only_for_their_codecs_format_and_runner():
+    """The ops call the codec's kernels straight (``GraphHooks.kernels``) for the compressor's own format on the
+    installed runner, looked up again when the runner changes; another group size or statistics dtype (a graph
+    compiled for other settings) goes through the codec, and decodes as the format says."""
+    compressor = act.ActivationCompressor(nn.Linear(1, 1), act.ACTConfig(bits=4, adaptive=False, seed=3))
+    hooks = compiled_regions.GraphHooks(compressor)
+    x = torch.randn(300)
+    recording = RecordingRunner()
+    with use_runner(recording):
+        assert hooks.kernels(4, 256, torch.float32, x, x.dtype)[1] is recording
+        assert hooks.kernels(4, 128, torch.float32, x, x.dtype) is None
+        assert hooks.kernels(4, 256, torch.bfloat16, x, x.dtype) is None
+        buffer = torch.ops.lightning_act.quantize(x, 4, 256, torch.float32, hooks.owner)
+    assert recording.kernels == ["quantize_encode"]
+    assert buffer.numel() == compiled_regions.encoded_layout(300, 4, 256, torch.float32).total
+    assert hooks.kernels(4, 256, torch.float32, x, x.dtype) is None  # no runner: CPU tensors take the torch path
+    other = torch.ops.lightning_act.quantize(x, 4, 128, torch.float32, hooks.owner)
+    layout = compiled_regions.encoded_layout(300, 4, 128, torch.float32)
+    parts = compiled_regions.OneBuffer(other, layout)
+    # a default codec's (seed 0) at the hooks' next key, 2: the buffer holds the op's format
+    expected = quantize_reference(x, 4, 128, torch.float32, 0, 2)
+    for name, part in zip(("payload", "mn", "step"), expected):
+        assert_same_bits(parts[name], part)
+    decoded = torch.ops.lightning_act.dequantize_buffer(other, 300, 4, 128, x.dtype, torch.float32, hooks.owner)
+    assert_same_bits(decoded, dequantize_reference(*expected, 300, 4, 128, x.dtype))
+
+
 @pytest.mark.toolchain
 @requires_gxx
 def test_where_the_kernels_run_a_compiled_forward_encodes_with_them(runner):

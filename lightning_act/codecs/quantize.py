@@ -7,7 +7,7 @@ import functools
 import torch
 
 from .._validate import check_choice, check_int
-from ..cuda.launcher import DTYPE_CODES, OneBuffer
+from ..cuda.launcher import DTYPE_CODES, KernelRunner, OneBuffer
 from ..cuda.quantize import QuantizeKernels, dequantize_cuda, supports
 from ..formats._bitpack import PACKABLE_BITS
 from ..formats.floats import FLOAT_DTYPES, canonical_nan_, check_float_input
@@ -96,6 +96,13 @@ class QuantizeCodec(Codec):
 
     def kernels_take(self, dtype: torch.dtype) -> bool:
         return self._kernels_take_format and dtype in DTYPE_CODES
+
+    def kernel_path(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[QuantizeKernels, KernelRunner] | None:
+        """``(kernels, runner)`` where :meth:`runs_kernels` for ``t`` and ``dtype``, else None: the kernel path
+        itself, for callers that encode and decode flat contiguous tensors in this format (the compiled ops) and
+        need none of :meth:`encode`'s checks nor its ``Packed``."""
+        runner = self.kernel_runner(t, dtype)
+        return None if runner is None else (self._kernels, runner)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         if self.bits in PACKABLE_BITS:
