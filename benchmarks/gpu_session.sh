@@ -12,7 +12,8 @@
 # 3. bench_gpu.py, the rows issue #20 judges (ResNet-50 first, whose max-pool indices changed, then BERT-base:
 #    baseline, 4-bit, L1, torch checkpointing, 2-bit), each row with a profiled step (its kernel time; its ops in
 #    profiles/);
-# 4. bench_host_overhead.py --quick, the CPU proxy of the host figure on this host; bench_torch_path.py --device
+# 4. bench_host_overhead.py --quick, the CPU proxy of the host figure on this host; bench_host_calls.py, host µs
+#    per call of each layer of the per-tensor path with the real kernels; bench_torch_path.py --device
 #    cuda: each codec's torch path, and two codecs' compiled pipeline, against the kernels (GB/s, how many times);
 #    in the time left the other models and configurations.
 # Every report is rewritten as its rows arrive, so a run cut short keeps what it measured. Results go to
@@ -54,6 +55,13 @@ pack
 timeout 60 python benchmarks/bench_host_overhead.py --quick --out "$out/gpu_host_overhead_proxy.md" \
     > "$out/gpu_host_overhead_proxy.log" 2>&1
 pack
+# host µs per call of each layer of the per-tensor path, and the narrow BERT eager and compiled (about 75 s)
+if [ "$(left)" -gt 120 ]; then
+    timeout 100 python benchmarks/bench_host_calls.py --device cuda --out "$out/host_calls_gpu.md" \
+        > "$out/host_calls_gpu.log" 2>&1
+    echo "bench_host_calls.py --device cuda: exit $?, $(left) s left"
+    pack
+fi
 # the torch path (what a GPU user without CuPy runs) beside the kernels, per codec and dtype: issue #20's "within
 # 5x" (a bare --compiled: no compiled pipeline here, each variant compiles for seconds), on a 16 x 256 x 56 x 56
 # activation (two runs measured 64 x ... too); then the compiled pipeline (backend="compile") of two codecs. A
