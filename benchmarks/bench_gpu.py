@@ -382,6 +382,7 @@ class Runner:
                 _synchronize(self.device)
                 seconds.append(time.perf_counter() - started)
             row["step_ms"] = 1e3 * statistics.median(seconds)
+            row["step_ms_range"] = (1e3 * min(seconds), 1e3 * max(seconds))  # the host's step-to-step spread
             if self.profile_dir is not None:
                 row.update(self.profiled(name, prepared, loss_fn))
             row["peak_mib"] = self.peak(prepared, loss_fn) / MiB
@@ -560,6 +561,11 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _step_range(row: dict) -> str:
+    spread = row.get("step_ms_range")
+    return "-" if spread is None else f"{spread[0]:.1f}-{spread[1]:.1f}"
+
+
 def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, command: str, args,
            final: bool = True) -> str:
     kernels = any("kernel_ms" in r for r in rows)
@@ -571,24 +577,26 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
              f"Command: `{command}`", "",
              "peak ÷: the baseline's step peak / the configuration's (step peak: `torch.cuda.max_memory_allocated` "
              "over forward, backward and optimizer step minus what was allocated before it, gradients freed "
-             "before; `lightning_act.profiling.measure_step_memory`). time ×: median step time / the baseline's. "
+             "before; `lightning_act.profiling.measure_step_memory`). time ×: median step time / the baseline's "
+             "(min-max: the fastest and slowest timed step). "
              "ratio: saved / stored activation bytes (`stats().ratio`). max batch: where the line through the peaks "
              "at the batch and at half of it reaches the capacity below; ×: over the baseline's." +
              (" kernels ms: the device's kernel time in one more step, under `torch.profiler` (a step longer than it "
               "waits for the host; the profiles are in `--profile`'s folder)." if kernels else ""), "",
-             "| model | batch | config | ratio | stored MiB | peak MiB | peak ÷ | step ms | time × | max batch | "
-             "max batch × |" + (" kernels ms |" if kernels else ""), "|---|---|---|---|---|---|---|---|---|---|---|" +
-             ("---|" if kernels else "")]
+             "| model | batch | config | ratio | stored MiB | peak MiB | peak ÷ | step ms | min-max | time × | "
+             "max batch | max batch × |" + (" kernels ms |" if kernels else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if kernels else "")]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['size']} | {r['config']} | failed: {r['error']} | | | | | | | |" +
+            lines.append(f"| {r['model']} | {r['size']} | {r['config']} | failed: {r['error']} | | | | | | | | |" +
                          (" |" if kernels else ""))
             continue
         stored = r.get("stored_mib")
         lines.append(
             f"| {r['model']} | {r['size']} | {r['config']} | {_fmt(r.get('ratio'), '.2f', 'x')} | "
             f"{_fmt(stored, '.1f')} | {r['peak_mib']:.1f} | {_fmt(r.get('peak_reduction'), '.2f')} | "
-            f"{r['step_ms']:.1f} | {_fmt(r.get('time_ratio'), '.2f')} | {_fmt(r.get('max_batch'), '.0f')} | "
+            f"{r['step_ms']:.1f} | {_step_range(r)} | {_fmt(r.get('time_ratio'), '.2f')} | "
+            f"{_fmt(r.get('max_batch'), '.0f')} | "
             f"{_fmt(r.get('max_batch_ratio'), '.2f')} |" + (f" {_fmt(r.get('kernel_ms'), '.1f')} |" if kernels else ""))
     lines += ["", "Capacity for the max-batch column (memory a step can use besides weights and optimizer state): " +
               "; ".join(f"{f['model']} {_fmt(f['capacity_mib'], '.0f', ' MiB')} ({f['params_m']:.1f}M parameters)"

@@ -21,8 +21,8 @@ a compressor:
 
 Inside compiled regions float tensors are stored in the quantize format (``formats.quantize``), at the config's
 ``bits`` (its average when ``adaptive``), ``group_size`` and ``stats_dtype``; the traced encode's noise comes from
-``torch.randint`` in the graph, the kernel encode's from the codec's keyed stream at keys counted per hooks (under
-CUDA graphs a replay would repeat its captured keys: untested), so neither is the eager path's stream. Bool
+``torch.randint`` in the graph, the kernel encode's from the codec's keyed stream at keys counted per hooks (the ops
+are tagged ``cudagraph_unsafe``: no CUDA graph replays them, so each call takes a fresh key), so neither is the eager path's stream. Bool
 tensors (dropout's keep masks, the comparisons a backward selects by) are packed at 1 bit, losslessly, when ``compress_masks`` is on (``unpack_mask`` decodes
 them); so is the sign of a float tensor whose backward compares it with 0 (a ReLU output the next layer also
 saves), beside its codes, and the decode restores it exactly (:func:`restore_signs`). Kept as they are there:
@@ -70,6 +70,10 @@ _aten = torch.ops.aten
 # The ops compiled graphs call once per saved tensor, defined on the dispatcher with one Python kernel per device
 # type: torch.library.custom_op's wrapper cost about 5.5 µs more per call (on this project's CPU).
 _LIBRARY = torch.library.Library("lightning_act", "FRAGMENT")
+# Each call changes Python state that a CUDA graph's replay would skip (an encode takes a fresh noise key, a decode
+# records its tensor): tagged, inductor runs the graphs that hold them without CUDA graphs (mode="reduce-overhead"
+# logs the op it skipped them for), or partitions the graph around them where its graph partition is on.
+_OP_TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
 
 
 def _op(schema: str, fake):
@@ -77,7 +81,7 @@ def _op(schema: str, fake):
     its fake (meta) implementation."""
     def define(fn):
         name = schema.split("(", 1)[0]
-        _LIBRARY.define(schema)
+        _LIBRARY.define(schema, tags=_OP_TAGS)
         for key in ("CPU", "CUDA"):
             _LIBRARY.impl(name, fn, key)
         torch.library.register_fake(f"lightning_act::{name}", fake, lib=_LIBRARY)

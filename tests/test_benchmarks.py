@@ -238,7 +238,8 @@ def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_pa
 
 
 def test_bench_gpu_reports_the_kernel_time_of_profiled_rows():
-    """With --profile on CUDA each row has the device's kernel time in a profiled step: one more column."""
+    """With --profile on CUDA each row has the device's kernel time in a profiled step: one more column; the
+    step time's min-max beside its median; a failed row keeps the columns."""
     import argparse
 
     import bench_gpu
@@ -248,9 +249,13 @@ def test_bench_gpu_reports_the_kernel_time_of_profiled_rows():
             for c, k in (("baseline", 41.5), ("4-bit", 60.25))]
     env = {"device": "GPU", "torch": "2", "cuda": "13", "cupy": "cupy 14", "codecs": "CuPy kernels"}
     args = argparse.Namespace(repeats=5, warmup=2, memory_budget="checkpoint")
-    lines = bench_gpu.report(rows, [], [], env, "cmd", args).splitlines()
+    rows[0]["step_ms_range"] = (48.04, 55.51)  # the fastest and slowest timed step
+    failed = {"model": "M", "size": 8, "config": "2-bit", "error": "RuntimeError: out of memory"}
+    lines = bench_gpu.report(rows + [failed], [], [], env, "cmd", args).splitlines()
     table = [line for line in lines if line.startswith("| ")]
     assert table[0].endswith("| kernels ms |") and table[1].endswith("| 41.5 |") and table[2].endswith("| 60.2 |")
+    assert "| 50.0 | 48.0-55.5 | 1.00 |" in table[1] and "| 50.0 | - | 1.00 |" in table[2]
+    assert "failed: RuntimeError: out of memory" in table[3]
     assert all(line.count("|") == table[0].count("|") for line in table)
     rows = [{k: v for k, v in r.items() if k != "kernel_ms"} for r in rows]
     assert "kernels ms" not in bench_gpu.report(rows, [], [], env, "cmd", args)

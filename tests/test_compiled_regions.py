@@ -144,6 +144,23 @@ def test_the_kernel_encode_op_stores_the_formats_bits_with_a_fresh_key_per_call(
         assert_same_bits(fallback[name], part)
 
 
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no cudagraph_unsafe tag")
+def test_the_compiled_ops_keep_cuda_graphs_from_replaying_them():
+    """Each op call changes Python state a CUDA graph replay would skip (a fresh noise key, a record), so every op
+    is tagged ``cudagraph_unsafe``: inductor's check finds it in a graph (mode="reduce-overhead" then runs that
+    graph without CUDA graphs, or partitions the graph around it)."""
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    ops = torch.ops.lightning_act
+    for op in (ops.quantize, ops.dequantize_buffer, ops.dequantize, ops.unpack_mask):
+        assert torch.Tag.cudagraph_unsafe in op.default.tags
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    encode = graph.call_function(ops.quantize.default, (x, 4, 256, torch.float32, 0))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (encode, 1)))
+    assert get_first_incompatible_cudagraph_node(torch.fx.GraphModule(torch.nn.Module(), graph)) is encode
+
+
 def test_the_compiled_ops_take_the_kernel_path_only_for_their_codecs_format_and_runner():
     """The ops call the codec's kernels straight (``GraphHooks.kernels``) for the compressor's own format on the
     installed runner, looked up again when the runner changes; another group size or statistics dtype (a graph
