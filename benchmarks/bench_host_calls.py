@@ -2,10 +2,11 @@
 compressed tensor goes, in eager steps and in compiled ones.
 
 1. Calls: each layer of the path, from a bare ``torch.empty`` to the compiled graphs' dispatcher ops
-   (``lightning_act::quantize``, ``::dequantize_buffer``), called ``--calls`` times on a small tensor (4096 bf16
-   elements: its kernels take a few µs, so the clock reads the host's time), in 5 rounds, the device synchronised
-   around each: wall µs per call in the best round. Each runs in the calling thread and in a second thread: autograd runs a CUDA backward,
-   where the decodes are, in a thread of its own.
+   (``lightning_act::quantize``, ``::dequantize_buffer``) and the eager engine's pack and unpack hooks, called
+   ``--calls`` times on a small tensor (4096 bf16 elements: its kernels take a few µs, so the clock reads the
+   host's time), in 5 rounds, the device synchronised around each: wall µs per call in the best round. Each runs
+   in the calling thread and in a second thread: autograd runs a CUDA backward, where the decodes are, in a thread
+   of its own.
 2. Steps: the narrow BERT of ``bench_host_overhead`` (hidden 96, batch 1 x 8 tokens: host-bound on a GPU) eager
    and ``torch.compile``'d, each plain and compressed at 4 bits, taking turns: wall ms per step (medians) and the
    compressed step's extra time per compressed tensor.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import threading
 import time
@@ -110,10 +112,21 @@ def call_items(device: torch.device) -> tuple[dict, tuple]:
 
 
 def measure_calls(device: torch.device, calls: int) -> list[dict]:
-    items, keep = call_items(device)
+    items, (compressor, hooks) = call_items(device)
     rows = [{"call": name, "main_us": per_call_us(fn, calls, device, False),
              "thread_us": per_call_us(fn, calls, device, True)} for name, fn in items.items()]
-    del keep
+    # the eager engine's hooks on a step's records, as autograd calls them: each call a tensor not seen before (the
+    # step's de-duplication would find a repeated one), an op's output of the same size; outside compress(), whose
+    # op tracker would see the hooks' own torch calls (autograd runs the hooks inside an op, where it does not)
+    weight = torch.ones(NUMEL, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with compressor.compress():
+        pack = functools.partial(compressor._pack, compressor.current_step)
+    row = {"call": "eager hooks: pack + unpack"}
+    for column, in_thread in (("main_us", False), ("thread_us", True)):
+        fresh = iter([weight * 1 for _ in range(calls + 1)])
+        row[column] = per_call_us(lambda: compressor._unpack(pack(next(fresh))), calls, device, in_thread)
+    rows.append(row)
+    del hooks
     return rows
 
 

@@ -550,6 +550,7 @@ def test_bench_host_calls_times_each_layer_of_the_path_and_an_eager_step():
         steps = bench_host_calls.measure_steps(device, layers=1, repeats=2, compile_models=False)
     names = [r["call"] for r in calls]
     assert names[0] == "torch.empty" and "compiled op dequantize_buffer, through the dispatcher" in names
+    assert names[-1] == "eager hooks: pack + unpack"
     assert all(r["main_us"] > 0 and r["thread_us"] > 0 for r in calls)
     [eager] = steps
     assert eager["model"] == "eager" and eager["compressed"] > 0 and eager["plain_ms"] > 0
