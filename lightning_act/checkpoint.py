@@ -98,6 +98,16 @@ def _autocast(states) -> Iterator[None]:
         yield
 
 
+def _checkpointing_layer(module: nn.Module) -> bool:
+    """Whether ``module`` has a bool ``gradient_checkpointing`` attribute, its own or its class's (HuggingFace's
+    checkpointable layers): read without ``nn.Module.__getattr__``, whose miss raises, as every forward asks it of
+    every module."""
+    flag = module.__dict__.get("gradient_checkpointing")
+    if flag is None:
+        flag = getattr(type(module), "gradient_checkpointing", None)
+    return isinstance(flag, bool)
+
+
 @contextlib.contextmanager
 def use_compressed_checkpointing(model: nn.Module, compressor: ActivationCompressor,
                                  enable: bool = False) -> Iterator[int]:
@@ -108,7 +118,7 @@ def use_compressed_checkpointing(model: nn.Module, compressor: ActivationCompres
     checkpointed (CB1). Yields the number of layers routed; restores every layer's attributes on exit.
     """
     # the modules HuggingFace's own _set_gradient_checkpointing configures
-    layers = [m for m in module_tree.modules(model) if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+    layers = [m for m in module_tree.modules(model) if _checkpointing_layer(m)]
     saved = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
     routed = 0
     try:

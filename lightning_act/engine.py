@@ -223,8 +223,9 @@ def _parameters_and_buffers(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2's sharded parameters), else ``t``."""
-    return getattr(t, "_local_tensor", t)
+    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2's sharded parameters), else ``t``
+    (read at every step for every parameter: a plain tensor's type answers before an attribute miss would)."""
+    return t if type(t) is nn.Parameter or type(t) is torch.Tensor else getattr(t, "_local_tensor", t)
 
 
 # The storage every version alias points at: an alias keeps a saved tensor's version counter, not its memory.

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import lightning_act as act
-from lightning_act.checkpoint import checkpoint
+from lightning_act.checkpoint import _checkpointing_layer, checkpoint
 from lightning_act.nn.attention import chunked_attention, use_chunked_attention
 from lightning_act.stats import COMPRESSED
 from lightning_act.swap import HostBufferPool, SwapStore
@@ -218,3 +218,20 @@ def test_cb2_level_trains_bert_with_compression():
     assert cosine(exact, grads) > 0.98
     assert compressor.stats().num_compressed > 0
     assert model.config._attn_implementation != "act_chunked"
+
+
+def test_checkpointable_layers_are_found_by_their_own_or_their_class_flag():
+    """The layers ``use_compressed_checkpointing`` routes: a bool ``gradient_checkpointing`` on the instance (as
+    BERT's encoder sets it) or on the class (HuggingFace's ``GradientCheckpointingLayer``); anything else is not
+    one, a submodule of that name included."""
+    class ClassFlag(nn.Module):
+        gradient_checkpointing = False
+
+    own = nn.Linear(1, 1)
+    own.gradient_checkpointing = True
+    named = nn.Module()
+    named.gradient_checkpointing = nn.Linear(1, 1)
+    counted = nn.Module()
+    counted.gradient_checkpointing = 1
+    assert _checkpointing_layer(own) and _checkpointing_layer(ClassFlag())
+    assert not any(_checkpointing_layer(m) for m in (nn.Linear(1, 1), named, counted))
