@@ -93,7 +93,9 @@ class Method:
     ``checkpoint``: per block, ``"torch"`` (HF ``gradient_checkpointing_enable()``, else ``torch.utils.checkpoint``)
     or ``"compressed"`` (``lightning_act.checkpoint``; HF models get it from the config's CB level instead).
     ``budget``: the memory-budget planner, at the budget the run gives. ``hf_only``: nothing to do outside HF.
-    ``compiled``: the model ``torch.compile``'d in place (``module.compile()``) for the configuration's steps."""
+    ``compiled``: the model ``torch.compile``'d in place (``module.compile()``) for the configuration's steps, in
+    ``compile_mode`` (torch.compile's ``mode``; ``"reduce-overhead"``: CUDA graphs, which replay the kernels between
+    the compressor's ops, each step marked as a new one)."""
 
     config: act.ACTConfig | None = None
     checkpoint: str | None = None
@@ -101,6 +103,7 @@ class Method:
     budget: bool = False
     hf_only: bool = False
     compiled: bool = False
+    compile_mode: str | None = None
 
 
 METHODS = {
@@ -122,6 +125,9 @@ METHODS = {
     # torch.compile'd: compressed inside the compiled graphs (lightning_act.compiled_regions), beside the peers
     "compiled": Method(compiled=True),
     "compiled, 4-bit": Method(act.ACTConfig(bits=4, adaptive=False), compiled=True),
+    "compiled (reduce-overhead)": Method(compiled=True, compile_mode="reduce-overhead"),
+    "compiled (reduce-overhead), 4-bit": Method(act.ACTConfig(bits=4, adaptive=False), compiled=True,
+                                                compile_mode="reduce-overhead"),
     "compiled, torch checkpoint": Method(checkpoint="torch", compiled=True),
     "memory budget": Method(budget=True),
 }
@@ -171,7 +177,7 @@ class Prepared:
                 block.forward = functools.partial(wrap, block.forward)
                 self._patched.append(block)
         if method.compiled:  # after the checkpoint wrappers: they are compiled with the rest
-            model.compile()
+            model.compile(mode=method.compile_mode)
 
     def calibrate(self, loss_fn: Callable[[], torch.Tensor], budget_bytes: int | None = None,
                   allocation: dict | None = None) -> None:
@@ -202,6 +208,8 @@ class Prepared:
                 self.auto.load_state_dict(allocation)
 
     def forward_backward(self, loss_fn: Callable[[], torch.Tensor]) -> None:
+        if self.method.compile_mode == "reduce-overhead":  # the last step's CUDA-graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with contextlib.ExitStack() as stack:
             if self.autocast:
                 stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))

@@ -33,13 +33,15 @@ timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" --host-pro
     > "$out/gpu_checks.log" 2>&1
 echo "check_gpu.py: exit $?, $(left) s left"
 pack
-# torch.compile'd BERT-base: compressed inside the graphs (the kernel encode op: no hooks per tensor at run time)
-# (first: never measured yet) against the compiled model alone; each configuration compiles first (about a minute each): --time-budget stops
+# torch.compile'd BERT-base: compressed inside the graphs (the kernel encode op: no hooks per tensor at run time),
+# in the default mode and with CUDA graphs between the ops (reduce-overhead), against the compiled model alone
+# (measured in runs 2 and 4); each configuration compiles first (about a minute each): --time-budget stops
 # starting configurations, timeout ends one still running (its rows so far are written)
 compiled=$(( $(left) < 230 ? $(left) : 230 ))
 if [ "$compiled" -gt 120 ]; then
     timeout "$compiled" python benchmarks/bench_gpu.py --time-budget $(( compiled - 110 )) --models bert-base \
-        --configs baseline "compiled, 4-bit" compiled "compiled, torch checkpoint" --out "$out/gpu_compiled.md" \
+        --configs baseline "compiled, 4-bit" \
+        "compiled (reduce-overhead), 4-bit" compiled "compiled, torch checkpoint" --out "$out/gpu_compiled.md" \
         --profile "$out/profiles_compiled" > "$out/bench_gpu_compiled.log" 2>&1
     echo "bench_gpu.py, compiled rows: exit $?, $(left) s left"
     pack

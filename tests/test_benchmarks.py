@@ -263,23 +263,26 @@ def test_bench_gpu_reports_the_kernel_time_of_profiled_rows():
 
 def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     """bench_gpu.py's compiled rows (named on the command line: each compiles the model; the peaks are
-    tests/test_compiled_regions.py's): the 4-bit one stores compressed activations."""
+    tests/test_compiled_regions.py's): the 4-bit ones store compressed activations, in torch.compile's default mode
+    and in "reduce-overhead" (CUDA graphs on a GPU; on CPU the same graphs without them)."""
     pytest.importorskip("transformers")
     out = tmp_path / "gpu.md"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny", "--models",
-                             "bert-base", "--configs", "baseline", "compiled, 4-bit", "--repeats", "2",
+                             "bert-base", "--configs", "baseline", "compiled, 4-bit",
+                             "compiled (reduce-overhead), 4-bit", "--repeats", "2",
                              "--warmup", "1", "--out", str(out), "--profile", str(tmp_path / "profiles")],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
-    assert set(rows) == {"baseline", "compiled, 4-bit"}
+    assert set(rows) == {"baseline", "compiled, 4-bit", "compiled (reduce-overhead), 4-bit"}
     assert all("error" not in r for r in rows.values()), rows
-    assert rows["compiled, 4-bit"]["ratio"] > 3 and rows["compiled, 4-bit"]["stored_mib"] < rows["baseline"]["stored_mib"]
+    for name in ("compiled, 4-bit", "compiled (reduce-overhead), 4-bit"):
+        assert rows[name]["ratio"] > 3 and rows[name]["stored_mib"] < rows["baseline"]["stored_mib"]
     # --profile: one profiled step per configuration, its ops by their own time (the backward's decodes among them)
     profiles = {p.name: p.read_text() for p in (tmp_path / "profiles").iterdir()}
     baseline, compressed = (next(text for name, text in profiles.items() if name.endswith(f"{suffix}.txt"))
                             for suffix in ("_baseline", "_compiled_4_bit"))
-    assert len(profiles) == 2 and "aten::" in baseline and "lightning_act::dequantize" not in baseline
+    assert len(profiles) == 3 and "aten::" in baseline and "lightning_act::dequantize" not in baseline
     assert "lightning_act::dequantize" in compressed
     assert all("kernel_ms" not in r for r in rows.values())  # no device here: no kernel time, no column
     assert "kernels ms" not in out.read_text()
