@@ -17,6 +17,9 @@ CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on t
   compress inside their graphs (``lightning_act.compiled_regions``), gradients close to the compiled uncompressed
   step's.
 - ``side stream``: gradients of a training step with ``side_stream=True`` equal those without, bit for bit.
+- ``step no sync``: a whole training step (forward and backward, eager at 4 and 2 bits and with division, and
+  compiled at 4 bits) under ``set_sync_debug_mode("error")``: no host wait anywhere in the compressor's per-tensor
+  work, not only in the codecs.
 - ``step``: a BERT step from a config under bf16 autocast at 4 bits: finite loss, gradients close to the
   uncompressed step's (cosine).
 - ``host``: host time per saved tensor in the compressor's hooks on the real CUDA path (BERT-base shape, batch 1 x
@@ -337,6 +340,74 @@ class Checks:
             return f"loss {compressed_loss} against {loss} uncompressed, or non-finite gradients"
         return None if cosine > 0.9 else f"gradient cosine {cosine:.4f} (want > 0.9)"
 
+    def _sync_free_net(self, batch: int = 32, size: int = 32):
+        """A net whose training step never makes the host wait for the device by itself (no data-dependent shapes,
+        no host reads): Conv-BN-ReLU, a max-pool (its indices' codec), Linear-GELU, dropout (its mask), LayerNorm
+        and a head; ``(model, loss_fn)``."""
+        from torch import nn
+
+        class Net(nn.Module):  # not a bare Sequential: compiled in place, dynamo would take its blocks apart
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * (size // 2) ** 2, 256),
+                                          nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(256), nn.Linear(256, 10))
+
+            def forward(self, x):
+                return self.body(x)
+
+        torch.manual_seed(0)
+        model = Net().to(self.device).train()
+        x = torch.randn(batch, 3, size, size, device=self.device)
+        y = torch.randint(0, 10, (batch,), device=self.device)
+        return model, lambda: nn.functional.cross_entropy(model(x), y)
+
+    def step_no_sync(self, config: act.ACTConfig | None, compiled: bool = False) -> str | None:
+        """A training step's forward and backward under bf16 autocast and ``set_sync_debug_mode("error")``, after
+        two warm-up steps (plans, kernels compiled; ``compiled``: the model ``torch.compile``'d): nothing the
+        compressor runs per saved tensor (hooks, records, de-duplication, codecs, the compiled ops) makes the
+        host wait for the device, which would serialise a host-bound step with its kernels. ``config=None``: the
+        net alone (a sync there is the net's, not the compressor's). On CPU the steps run (the emulated kernels)
+        and the check is skipped: a host wait is a CUDA matter."""
+        model, loss_fn = self._sync_free_net(batch=32 if self.cuda else 4)
+        if compiled:
+            model.compile()
+        compressor = act.ActivationCompressor(model, config) if config is not None else None
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+                if compressor is not None:
+                    stack.enter_context(compressor.compress())
+                loss = loss_fn()
+            loss.backward()
+
+        try:
+            with self.kernels():
+                step()
+                step()
+                if not self.cuda:
+                    raise Skip("CPU: the steps ran; tests/test_no_host_sync.py guards the codecs' paths against "
+                               "host reads")
+                torch.cuda.synchronize()
+                previous = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    step()
+                except RuntimeError as error:
+                    return f"synchronises: {str(error).splitlines()[0]}"
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+        finally:
+            if compiled:
+                model._compiled_call_impl = None
+                torch._dynamo.reset()
+        if compressor is not None:
+            stats = compressor.stats()
+            self.note = f"{stats.num_compressed} of {stats.num_saved} saved tensors compressed"
+        return None
+
     def host_time(self) -> str | None:
         """µs of host time per saved tensor in the hooks, the real CUDA path (reported, not a pass/fail bar)."""
         if not self.cuda:
@@ -409,6 +480,13 @@ def checks(device: torch.device, only: tuple[str, ...], codecs: tuple[str, ...] 
     plan.append(("side stream", "BERT 2x128, 4-bit, bf16", c.side_stream))
     plan.append(("step", "BERT 2x128, 4-bit", c.step))
     plan.append(("host", "BERT-base shape, 1 x 8, 4-bit", c.host_time))
+    four_bit = act.ACTConfig(bits=4, adaptive=False)
+    for case, config, compiled in (("uncompressed", None, False), ("4-bit", four_bit, False),
+                                   ("2-bit", act.ACTConfig(bits=2, adaptive=False), False),
+                                   ("division", act.ACTConfig(codec="division"), False),
+                                   ("compiled, 4-bit", four_bit, True)):
+        plan.append(("step no sync", f"conv-pool-MLP net 32 x 32², {case}, bf16",
+                     lambda config=config, compiled=compiled: c.step_no_sync(config, compiled)))
     for dtype in (torch.bfloat16, torch.float32):
         plan.append(("compile", f"4-bit, {str(dtype).removeprefix('torch.')}",
                      lambda dtype=dtype: c.compiled(4, dtype)))
@@ -440,7 +518,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="without CUDA: the CPU stand-ins (what CI runs)")
     parser.add_argument("--only", nargs="+", choices=["kernels", "no-sync", "lorenzo-trim", "compile", "side-stream",
-                                                      "step", "host"], default=())
+                                                      "step", "host", "step-no-sync", "compiled-model"], default=())
     parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS),
                         help="the codecs of the kernels and no-sync checks")
     parser.add_argument("--out", type=Path, help="markdown table (default: benchmarks/results/gpu_checks.md on CUDA)")

@@ -389,6 +389,7 @@ def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes
     import check_gpu
     import torch
 
+    import lightning_act as act
     from lightning_act.cuda import quantize as cuda_quantize
 
     if not torch.cuda.is_available():
@@ -409,6 +410,9 @@ def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes
     assert checks.rows[5]["detail"].startswith("gradient cosine 0.9")
     assert checks.rows[6]["detail"].startswith("gradient cosine 0.9")
     assert checks.rows[5]["detail"].endswith(", 0 encodes by the kernel op")  # no kernels on CPU: the traced encode
+    # the whole-step no-sync check: on CPU its steps run (through the emulator) and it skips
+    checks.run("step no sync", "net", lambda: checks.step_no_sync(act.ACTConfig(bits=4, adaptive=False)))
+    assert checks.rows[-1]["status"] == "skipped" and "the steps ran" in checks.rows[-1]["detail"], checks.rows[-1]
 
     encode = cuda_quantize.QuantizeKernels.encode
 
