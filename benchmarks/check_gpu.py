@@ -291,26 +291,33 @@ class Checks:
             return f"loss {compressed_loss} against {loss} uncompressed, or non-finite gradients"
         return None if cosine > 0.9 else f"gradient cosine {cosine:.4f} to the uncompressed step's (want > 0.9)"
 
-    def _conv_net(self, batch: int = 16, size: int = 32):
-        """Two Conv-BN-ReLU blocks and a head, contiguous: inductor lays its activations out channels_last, and
-        each ReLU output is saved for its values and its sign (``compiled_regions``' grouping and signs)."""
+    def _image_net(self, layers: Callable[[], list], batch: int, size: int):
+        """The modules ``layers()`` builds (an image classifier's, 10 classes, after the seed is set) as one module,
+        on a fixed random batch of ``size``² RGB images; ``(model, loss_fn)``."""
         from torch import nn
 
-        class ConvNet(nn.Module):  # not a bare Sequential: compiled in place, dynamo would take its blocks apart
+        class Net(nn.Module):  # not a bare Sequential: compiled in place, dynamo would take its blocks apart
             def __init__(self):
                 super().__init__()
-                self.body = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                                          nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
-                                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+                self.body = nn.Sequential(*layers())
 
             def forward(self, x):
                 return self.body(x)
 
         torch.manual_seed(0)
-        model = ConvNet().to(self.device).train()
+        model = Net().to(self.device).train()
         x = torch.randn(batch, 3, size, size, device=self.device)
         y = torch.randint(0, 10, (batch,), device=self.device)
         return model, lambda: nn.functional.cross_entropy(model(x), y)
+
+    def _conv_net(self, batch: int = 16, size: int = 32):
+        """Two Conv-BN-ReLU blocks and a head, contiguous: inductor lays its activations out channels_last, and
+        each ReLU output is saved for its values and its sign (``compiled_regions``' grouping and signs)."""
+        from torch import nn
+
+        return self._image_net(lambda: [nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)], batch, size)
 
     def compiled_model(self, build: Callable | None = None) -> str | None:
         """A torch.compile'd step (``build()``'s model and loss; default BERT) under bf16 autocast at 4 bits:
@@ -346,21 +353,10 @@ class Checks:
         and a head; ``(model, loss_fn)``."""
         from torch import nn
 
-        class Net(nn.Module):  # not a bare Sequential: compiled in place, dynamo would take its blocks apart
-            def __init__(self):
-                super().__init__()
-                self.body = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-                                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * (size // 2) ** 2, 256),
-                                          nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(256), nn.Linear(256, 10))
-
-            def forward(self, x):
-                return self.body(x)
-
-        torch.manual_seed(0)
-        model = Net().to(self.device).train()
-        x = torch.randn(batch, 3, size, size, device=self.device)
-        y = torch.randint(0, 10, (batch,), device=self.device)
-        return model, lambda: nn.functional.cross_entropy(model(x), y)
+        return self._image_net(lambda: [nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * (size // 2) ** 2, 256),
+                                        nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(256), nn.Linear(256, 10)],
+                               batch, size)
 
     def step_no_sync(self, config: act.ACTConfig | None, compiled: bool = False) -> str | None:
         """A training step's forward and backward under bf16 autocast and ``set_sync_debug_mode("error")``, after
