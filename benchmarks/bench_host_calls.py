@@ -86,10 +86,10 @@ def call_items(device: torch.device) -> tuple[dict, tuple]:
     hooks = compiled_regions.GraphHooks(compressor)
     codec = compressor.codec("quantize", 4)
     x = torch.randn(NUMEL, device=device, dtype=torch.bfloat16)
-    runner = codec.kernel_runner(x, x.dtype)
-    if runner is None:
+    path = codec.kernel_path(x, x.dtype)
+    if path is None:
         raise RuntimeError(f"the quantize codec does not run its kernel path on {device}")
-    kernels = codec._kernels
+    kernels, runner = path
     stored = kernels.encode(x, 1, runner)
     packed = codec.encode(x, key=1)
     args = (4, codec.group_size, codec.stats_dtype, hooks.owner)
