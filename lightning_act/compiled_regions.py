@@ -52,7 +52,7 @@ from .codecs._chunks import chunk_elements, spans
 from .codecs.base import Packed
 from .cuda.launcher import PART_ALIGN, OneBuffer, runner_override
 from .cuda.quantize import encoded_layout
-from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_bits, unpack_rows
+from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_rows
 from .formats.compiled import quantize_groups
 from .formats.floats import FLOAT_DTYPES
 from .formats.quantize import STATS_DTYPES
@@ -378,12 +378,21 @@ def softmax_part(node: torch.fx.Node | None) -> str | None:
 @_op("unpack_mask(Tensor payload, SymInt numel, int owner) -> Tensor",
      lambda payload, numel, owner: payload.new_empty(numel, dtype=torch.bool))
 def unpack_mask(payload: torch.Tensor, numel: int, owner: int) -> torch.Tensor:
-    """The ``numel`` flags a compiled forward packed at 1 bit (``pack_codes_traced(flags, 1)``), as bool; recorded
-    in the step's statistics like :func:`dequantize`."""
+    """The ``numel`` flags a compiled forward packed at 1 bit (``pack_codes_traced(flags, 1)``: the ``bitmask``
+    codec's layout), as bool, decoded by the compressor's ``bitmask`` codec (its kernel, one launch, where the
+    kernels run; else its torch path, by chunks); recorded in the step's statistics like :func:`dequantize`."""
     hooks = _OWNERS.get(owner)
     if hooks is not None:
         hooks.record(numel, torch.bool, 1, payload.numel(), codec="bitmask")
-    return unpack_bits(payload, numel)
+    codec = hooks.compressor.codec("bitmask") if hooks is not None else _default_bitmask()
+    return codec.decode(Packed("bitmask", (numel,), torch.bool, payload.device, {"bits": payload}))
+
+
+@functools.cache
+def _default_bitmask():
+    from . import codecs
+
+    return codecs.get("bitmask")
 
 
 def _format_codec(hooks: GraphHooks | None, bits: int, group_size: int, stats_dtype: torch.dtype):

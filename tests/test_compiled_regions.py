@@ -219,6 +219,22 @@ def test_masks_pack_to_one_bit_losslessly(n):
     assert torch.equal(torch.ops.lightning_act.unpack_mask(payload, n, -1), flags)
 
 
+@pytest.mark.toolchain
+@requires_gxx
+@pytest.mark.parametrize("n", [1, 4099])
+def test_where_the_kernels_run_masks_decode_with_the_bitmask_kernel(runner, n):
+    """``unpack_mask`` decodes with the compressor's ``bitmask`` codec: one ``mask_decode`` launch where the
+    kernels run (the traced pack is that codec's layout), the flags exactly."""
+    compressor = act.ActivationCompressor(nn.Linear(1, 1), act.ACTConfig(bits=4, adaptive=False))
+    hooks = compiled_regions.GraphHooks(compressor)
+    flags = torch.rand(n) > 0.3
+    payload = pack_codes_traced(flags.to(torch.uint8), 1)
+    counting = _Counting(runner)
+    with use_runner(counting):
+        decoded = torch.ops.lightning_act.unpack_mask(payload, n, hooks.owner)
+    assert counting.kernels == ["mask_decode"] and torch.equal(decoded, flags)
+
+
 def test_a_compiled_models_dropout_masks_are_stored_at_one_bit():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Dropout(0.25), nn.Linear(256, 256), nn.Tanh(),
