@@ -543,10 +543,9 @@ class GraphHooks:
         as the codec's own route."""
         key = (bits, group_size, stats_dtype, t.device, dtype, runner_override())
         found = self._kernels.get(key, self)  # self: not looked up yet (None is an answer)
-        if found is self:
-            codec = self.codec(bits)
-            found = codec.kernel_path(t, dtype) if codec is _format_codec(self, bits, group_size, stats_dtype) \
-                else None
+        if found is self:  # another format's codec is not the compressor's: its ops take the checked path
+            codec = _format_codec(self, bits, group_size, stats_dtype)
+            found = codec.kernel_path(t, dtype) if codec is self.codec(bits) else None
             if len(self._kernels) >= 64:  # (tests install many runners; a model meets a few devices and dtypes)
                 self._kernels.clear()
             self._kernels[key] = found
