@@ -27,12 +27,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from bench_host_overhead import NoOpRunner, bert_base, plain_and_compressed_steps
 from models import machine, publish
 
 import lightning_act as act
 from lightning_act import compiled_regions
+from lightning_act.cuda import launcher
 from lightning_act.cuda.launcher import use_runner
 
 NUMEL = 4096
@@ -96,9 +98,20 @@ def call_items(device: torch.device) -> tuple[dict, tuple]:
     buffer = compiled_regions.quantize(x, *args)
     decode_args = (buffer, NUMEL, 4, codec.group_size, x.dtype, codec.stats_dtype, hooks.owner)
     ops = torch.ops.lightning_act
+    # a quantize encode's arguments, as the driver launch packs them (launcher.KernelArguments)
+    encode_args = (np.uint64(x.data_ptr()), np.int32(2), np.int64(NUMEL), np.int32(4), np.int32(codec.group_size),
+                   np.uint32(1), *stored.pointers(), np.int32(0))
+    arguments = launcher.KernelArguments(encode_args)
     items = {
         "torch.empty": lambda: torch.empty(NUMEL, dtype=x.dtype, device=device),
+        "kernel arguments: pack (the driver launch's host work before cuLaunchKernel)":
+            lambda: arguments.pack(*encode_args),
         "kernel encode (QuantizeKernels.encode)": lambda: kernels.encode(x, 1, runner),
+    }
+    if isinstance(runner, launcher.CupyRunner):  # the same encode through CuPy's call (the launch before the driver's)
+        other = launcher.CupyRunner(launch="cupy" if runner.launch_mode == "driver" else "driver")
+        items[f"kernel encode, launch={other.launch_mode!r}"] = lambda: kernels.encode(x, 1, other)
+    items.update({
         "kernel decode (QuantizeKernels.decode)": lambda: kernels.decode(stored, x.shape, x.dtype, runner),
         "codec.encode": lambda: codec.encode(x, key=1),
         "codec.decode": lambda: codec.decode(packed),
@@ -107,7 +120,7 @@ def call_items(device: torch.device) -> tuple[dict, tuple]:
         "compiled op dequantize_buffer, its Python kernel": lambda: compiled_regions.dequantize_buffer(*decode_args),
         "compiled op dequantize_buffer, through the dispatcher": lambda: ops.dequantize_buffer.default(*decode_args),
         "GraphHooks.record": lambda: hooks.record(NUMEL, x.dtype, 4, 2048),
-    }
+    })
     return items, (compressor, hooks)  # GraphHooks hold their compressor weakly
 
 

@@ -2,6 +2,8 @@
 
 CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on the device with CuPy:
 
+- ``launch``: per codec, the driver launch (the default) stores the bytes CuPy's own call stores (a failure here
+  means ``LIGHTNING_ACT_KERNEL_LAUNCH=cupy`` for the rest of the run: ``gpu_session.sh`` does that itself).
 - ``kernels``: per codec and dtype, the kernel path (``backend="cupy"``) on the device stores the bytes the torch
   path stores on the device and on CPU (the specification's bytes: lorenzo's fast torch path is checked against
   its specification on CPU, tests/test_lorenzo_fast.py), and decodes to the same bits; NaN and infinities
@@ -48,6 +50,7 @@ from typing import Callable, Iterator
 import torch
 
 import lightning_act as act
+from lightning_act.cuda import launcher
 from lightning_act.cuda.launcher import use_runner
 from models import machine, publish
 
@@ -179,6 +182,25 @@ class Checks:
             problems.append(f"kernel decode differs from the specification's (on {decoded.device})")
         problems = [p for p in problems if p]
         return "; ".join(problems) or None
+
+    def launch_modes(self, codec_name: str, options: dict, dtype: torch.dtype) -> str | None:
+        """The driver launch (``CupyRunner(launch="driver")``, the default) stores and decodes the bytes CuPy's own
+        call does, for every kernel a codec launches (bool masks: the ``bitmask`` codec's)."""
+        if not self.cuda:
+            raise Skip("CPU: tests/test_cuda_quantize.py runs both launches on the emulator")
+        x = (activation(torch.float32, non_finite=False) > 0.3 if dtype == torch.bool else
+             activation(dtype, non_finite=codec_name in KEEPS_NON_FINITE)).to(self.device)
+        results = {}
+        for mode in launcher.LAUNCH_MODES:
+            with use_runner(launcher.CupyRunner(launch=mode)):
+                codec = act.codecs.get(codec_name, backend="cupy", **options)
+                packed = codec.encode(x, key=4)
+                results[mode] = (_stored(packed), codec.decode(packed))
+        (driver, driver_decoded), (call, call_decoded) = results["driver"], results["cupy"]
+        problem = _same_stored(driver, call, codec_name)
+        if problem is None and not torch.equal(_bits(driver_decoded), _bits(call_decoded)):
+            problem = "decodes differ"
+        return problem
 
     def no_sync(self, codec_name: str, options: dict, dtype: torch.dtype, backend: str = "cupy") -> str | None:
         """Encode, stored size and decode on the kernel path never make the host wait for the device. The torch
@@ -457,6 +479,11 @@ def checks(device: torch.device, only: tuple[str, ...], codecs: tuple[str, ...] 
     minutes, last); ``after_each(rows)`` after every one, so a run cut short keeps its rows."""
     c = Checks(device, host_profile)
     plan = []
+    for name, (codec, options) in {**CODECS, "bitmask": ("bitmask", {})}.items():
+        if name in codecs or name == "bitmask":
+            dtype = torch.bool if codec == "bitmask" else torch.bfloat16
+            plan.append(("launch", f"{name}, driver against CuPy's call", lambda codec=codec, options=options,
+                         dtype=dtype: c.launch_modes(codec, options, dtype)))
     for name, (codec, options) in CODECS.items():
         if name not in codecs:
             continue
@@ -513,8 +540,9 @@ def report(rows: list[dict], device: torch.device, final: bool = True) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="without CUDA: the CPU stand-ins (what CI runs)")
-    parser.add_argument("--only", nargs="+", choices=["kernels", "no-sync", "lorenzo-trim", "compile", "side-stream",
-                                                      "step", "host", "step-no-sync", "compiled-model"], default=())
+    parser.add_argument("--only", nargs="+", choices=["launch", "kernels", "no-sync", "lorenzo-trim", "compile",
+                                                      "side-stream", "step", "host", "step-no-sync", "compiled-model"],
+                        default=())
     parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS),
                         help="the codecs of the kernels and no-sync checks")
     parser.add_argument("--out", type=Path, help="markdown table (default: benchmarks/results/gpu_checks.md on CUDA)")

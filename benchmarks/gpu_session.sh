@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh [SECONDS]     # in all, default 500: give the device tool timeout_s=590
 #
-# 1. check_gpu.py: the kernels against the specification on the device, no host synchronisation, lorenzo's trim,
+# 1. check_gpu.py: the driver launch against CuPy's call (alone first: see below), the kernels against the specification on the device, no host synchronisation, lorenzo's trim,
 #    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, a compiled model (the kernel encode
 #    op), host µs per saved tensor (and a cProfile of those hooks);
 # 2. bench_gpu.py on BERT-base torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing), each
@@ -29,6 +29,14 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this working tree's package: nothing to install (offline)
 { nvidia-smi; python -c "import torch, cupy; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'cupy', cupy.__version__)"; } \
     > "$out/gpu_env.txt" 2>&1
+# the driver launch (the default) against CuPy's own call, first: should they differ, the rest of the run launches
+# through CuPy's call, so its figures still count (and gpu_launch_check.md says why)
+if ! timeout 60 python benchmarks/check_gpu.py --only launch --out "$out/gpu_launch_check.md" \
+        > "$out/gpu_launch_check.log" 2>&1; then
+    export LIGHTNING_ACT_KERNEL_LAUNCH=cupy
+    echo "the driver launch failed its check: this run launches through CuPy's call"
+fi
+echo "kernel launch: ${LIGHTNING_ACT_KERNEL_LAUNCH:-driver}" >> "$out/gpu_env.txt"
 timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" --host-profile "$out/gpu_host_profile.txt" \
     > "$out/gpu_checks.log" 2>&1
 echo "check_gpu.py: exit $?, $(left) s left"

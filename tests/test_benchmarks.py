@@ -412,6 +412,9 @@ def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes
     assert checks.rows[5]["detail"].startswith("gradient cosine 0.9")
     assert checks.rows[6]["detail"].startswith("gradient cosine 0.9")
     assert checks.rows[5]["detail"].endswith(", 0 encodes by the kernel op")  # no kernels on CPU: the traced encode
+    # the driver launch against CuPy's call needs both on a GPU (tests/test_cuda_quantize.py runs them on CPU)
+    checks.run("launch", "quantize", lambda: checks.launch_modes("quantize", {"bits": 4}, torch.bfloat16))
+    assert checks.rows[-1]["status"] == "skipped", checks.rows[-1]
     # the whole-step no-sync check: on CPU its steps run (through the emulator) and it skips
     checks.run("step no sync", "net", lambda: checks.step_no_sync(act.ACTConfig(bits=4, adaptive=False)))
     assert checks.rows[-1]["status"] == "skipped" and "the steps ran" in checks.rows[-1]["detail"], checks.rows[-1]
@@ -560,6 +563,7 @@ def test_bench_host_calls_times_each_layer_of_the_path_and_an_eager_step():
     names = [r["call"] for r in calls]
     assert names[0] == "torch.empty" and "compiled op dequantize_buffer, through the dispatcher" in names
     assert names[-1] == "eager hooks: pack + unpack"
+    assert "kernel arguments: pack (the driver launch's host work before cuLaunchKernel)" in names
     assert all(r["main_us"] > 0 and r["thread_us"] > 0 for r in calls)
     [eager] = steps
     assert eager["model"] == "eager" and eager["compressed"] > 0 and eager["plain_ms"] > 0

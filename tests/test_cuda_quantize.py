@@ -6,6 +6,9 @@ bits, not x86's), with one exception the specification leaves open: the sign of 
 group holding both +0 and -0 depends on torch's reduction order (it is not a rule), so zero statistics compare
 by value.
 """
+import ctypes
+import struct
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -248,12 +251,25 @@ def test_launch_configuration(numel, group_size, expected):
 # ---- the same launcher code drives CuPy: a stand-in CuPy module whose kernels run on the emulator ----
 
 class FakeCupy:
-    """Records what CupyRunner asks of CuPy; RawModule compiles the code it is given with the emulator."""
+    """Records what CupyRunner asks of CuPy; RawModule compiles the code it is given with the emulator. A
+    function is launched through CuPy's call (its arguments as NumPy scalars) or through the driver binding
+    (``cuda.driver.launchKernel``: the function's handle and cuLaunchKernel's argument block, which the
+    emulated kernel reads as the driver does)."""
 
     def __init__(self, tmp_path):
         self.modules, self.devices, self.streams, self.launch_streams = [], [], [], []
-        self.attribute_reads, self.grids = [], []
+        self.attribute_reads, self.grids, self.functions = [], [], []
         fake = self
+
+        class Function:
+            def __init__(self, module, name):
+                self.module, self.name, self.ptr = module, name, 0x1000 + len(fake.functions)
+                fake.functions.append(self)
+
+            def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
+                fake.launch_streams.append(stream.ptr)
+                fake.grids.append(grid)
+                self.module.launch(self.name, grid, block, args, shared_mem)
 
         class RawModule:
             def __init__(self, code, options):
@@ -263,11 +279,14 @@ class FakeCupy:
                 self._module = EmulatedModule(source)
 
             def get_function(self, name):
-                def call(grid, block, args, *, shared_mem=0, stream=None):
-                    fake.launch_streams.append(stream)
-                    fake.grids.append(grid)
-                    self._module.launch(name, grid, block, args, shared_mem)
-                return call
+                return Function(self._module, name)
+
+        def launch_kernel(f, gx, gy, gz, bx, by, bz, shared_mem, stream, kernel_params, extra):
+            function = fake.functions[f - 0x1000]
+            assert function.ptr == f and extra == 0
+            fake.launch_streams.append(stream)
+            fake.grids.append((gx, gy, gz))
+            function.module.launch_packed(function.name, (gx, gy, gz), (bx, by, bz), shared_mem, kernel_params)
 
         class Device:
             def __init__(self, index):
@@ -291,17 +310,19 @@ class FakeCupy:
                 fake.streams.append((ptr, device_id))
 
         self.RawModule = RawModule
-        self.cuda = types.SimpleNamespace(Device=Device, ExternalStream=ExternalStream)
+        self.cuda = types.SimpleNamespace(Device=Device, ExternalStream=ExternalStream,
+                                          driver=types.SimpleNamespace(launchKernel=launch_kernel))
 
 
 @pytest.mark.toolchain
 @requires_gxx
-def test_cupy_runner_code_path_on_the_emulator(tmp_path, monkeypatch):
+@pytest.mark.parametrize("launch", launcher.LAUNCH_MODES)
+def test_cupy_runner_code_path_on_the_emulator(tmp_path, monkeypatch, launch):
     fake = FakeCupy(tmp_path)
     monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=0xC0FFEE))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    runner = CupyRunner()
+    runner = CupyRunner(launch=launch)
     runner.device_type = "cpu"  # the only change: let it take CPU tensors
     x = torch.randn(3, 500, dtype=torch.bfloat16)
     for key in (1, 2):
@@ -312,10 +333,11 @@ def test_cupy_runner_code_path_on_the_emulator(tmp_path, monkeypatch):
         assert_same_bits(decoded, dequantize_reference(*expected, x.numel(), 4, 128, x.dtype))
     # one module per (source, device) compiled from the shipped source, every launch on the torch stream
     assert fake.modules == [(kernel_source("quantize.cu"), NVRTC_OPTIONS)]
-    # every launch on the torch stream, through one CuPy stream object built once; no device context is entered
-    # when torch's current device is the tensors' (the launch path runs several times per saved tensor)
-    assert fake.streams == [(0xC0FFEE, 0)]
-    assert [s.ptr for s in fake.launch_streams] == [0xC0FFEE] * 4 and fake.devices == []
+    # every launch on the torch stream (CuPy's call: through one CuPy stream object built once; the driver: the
+    # raw handle); no device context is entered when torch's current device is the tensors' (the launch path runs
+    # several times per saved tensor)
+    assert fake.streams == ([(0xC0FFEE, 0)] if launch == "cupy" else [])
+    assert fake.launch_streams == [0xC0FFEE] * 4 and fake.devices == []
     # the SM count is read once per device and sizes the grid
     assert fake.attribute_reads == [0]
     assert fake.grids == [cuda_quantize._launch_config(x.numel(), 128, 3)[0]] * 4
@@ -323,19 +345,101 @@ def test_cupy_runner_code_path_on_the_emulator(tmp_path, monkeypatch):
 
 @pytest.mark.toolchain
 @requires_gxx
-def test_cupy_runner_sizes_grids_to_the_multiprocessors(tmp_path, monkeypatch):
+@pytest.mark.parametrize("launch", launcher.LAUNCH_MODES)
+def test_cupy_runner_sizes_grids_to_the_multiprocessors(tmp_path, monkeypatch, launch):
     """A tensor big enough for more blocks than one wave: the grid is capped by the reported SM count and the
     kernels' grid-stride loops cover the rest."""
     fake = FakeCupy(tmp_path)
     monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=1))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    runner = CupyRunner()
+    runner = CupyRunner(launch=launch)
     runner.device_type = "cpu"
     x = torch.randn(13 * 128 * 32 + 100)  # groups of 32: 128 a block iteration (8 warps of 8 teams, 2 slots)
     encoded = quantize_cuda(x, 2, 32, torch.float32, 1, 2, runner=runner)
     assert_same_encoding(encoded, quantize_reference(x, 2, 32, torch.float32, 1, 2))
     assert fake.grids == [(3 * cuda_quantize.RESIDENT_THREADS_PER_SM // 256, 1, 1)]
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_driver_launches_of_two_threads_use_their_own_argument_blocks(tmp_path, monkeypatch):
+    """The driver path writes each launch's arguments into a block kept per kernel: per thread as well, so two
+    threads launching at once (autograd runs a CUDA backward in a thread of its own) never overwrite each other's
+    arguments; every encode still stores the specification's bytes."""
+    fake = FakeCupy(tmp_path)
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    blocks = {}
+    launch_kernel = fake.cuda.driver.launchKernel
+
+    def recording(*args):
+        blocks.setdefault(threading.get_ident(), set()).add(args[-2])
+        launch_kernel(*args)  # the emulator runs one launch at a time; the threads pack their arguments at once
+
+    fake.cuda.driver.launchKernel = recording
+    runner = CupyRunner(launch="driver")
+    runner.device_type = "cpu"
+    inputs = [torch.randn(700 + 64 * i) for i in range(8)]
+    results, errors = {}, []
+
+    def encode_all(thread_index):
+        try:
+            for i, x in enumerate(inputs):
+                results[thread_index, i] = quantize_cuda(x, 2, 64, torch.float32, 3, 10 * thread_index + i,
+                                                         runner=runner)
+        except Exception as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=encode_all, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for (thread_index, i), encoded in results.items():
+        assert_same_encoding(encoded, quantize_reference(inputs[i], 2, 64, torch.float32, 3, 10 * thread_index + i))
+    assert len(blocks) == 2 and all(len(b) == 1 for b in blocks.values())  # one block per thread, reused
+    first, second = blocks.values()
+    assert first.isdisjoint(second)
+
+
+@pytest.mark.parametrize("arg", [np.uint64(2**64 - 3), np.int64(-2**40 - 5), np.uint32(2**32 - 9), np.int32(-7),
+                                 np.uint16(65000), np.int16(-300), np.uint8(250), np.int8(-100), np.float32(-1.5e-3),
+                                 np.float32(np.inf), np.float64(1e300)])
+def test_kernel_arguments_hold_each_value_in_its_slot(arg):
+    """What cuLaunchKernel reads: the pointer at ``address + 8 i`` leads to the bytes of argument i, at its width."""
+    args = [np.int32(11), arg, np.uint64(0xDEADBEEF)]
+    block = launcher.KernelArguments(args)
+    for values in (args, [np.int32(-1), arg, np.uint64(5)]):  # packed again in place: the same slots
+        block.pack(*values)
+        slots = (ctypes.c_void_p * 3).from_address(block.address)
+        for slot, value in zip(slots, values):
+            assert ctypes.string_at(slot, value.dtype.itemsize) == value.tobytes()
+    assert [slots[i] - slots[0] for i in range(3)] == [0, 8, 16]
+
+
+def test_kernel_arguments_refuse_what_is_not_a_numpy_scalar():
+    with pytest.raises(TypeError, match=r"kernel argument 1 is int; expected a NumPy scalar"):
+        launcher.KernelArguments([np.int32(1), 5])
+    with pytest.raises(TypeError, match=r"kernel argument 0 is complex64"):
+        launcher.KernelArguments([np.complex64(1)])
+    block = launcher.KernelArguments([np.int32(1), np.int64(2)])
+    with pytest.raises(struct.error):  # a launch with another argument count than the block's
+        block.pack(np.int32(1))
+
+
+def test_launch_mode_is_checked(monkeypatch):
+    monkeypatch.delenv(launcher.LAUNCH_ENV, raising=False)
+    assert launcher.launch_mode() == "driver" and launcher.launch_mode("cupy") == "cupy"
+    monkeypatch.setenv(launcher.LAUNCH_ENV, "cupy")
+    assert launcher.launch_mode() == "cupy"
+    monkeypatch.setenv(launcher.LAUNCH_ENV, "fast")
+    with pytest.raises(ValueError, match=r"LIGHTNING_ACT_KERNEL_LAUNCH='fast'; expected one of 'driver', 'cupy'"):
+        launcher.launch_mode()
+    with pytest.raises(ValueError, match=r"launch='raw'; expected one of"):
+        CupyRunner(launch="raw")
 
 
 @pytest.mark.toolchain

@@ -8,7 +8,11 @@ emulator (``tests/cuda_emulation``) runs the very same source, grid and argument
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import os
+import struct
+import threading
 from collections.abc import Mapping
 from importlib import resources
 from typing import Iterator, NamedTuple, Protocol, Sequence
@@ -55,24 +59,87 @@ class KernelRunner(Protocol):
                shared_mem: int, device: torch.device) -> None: ...
 
 
+# How CupyRunner launches: "driver" writes the arguments into a block prepared once per kernel and thread and calls
+# cuLaunchKernel through CuPy's driver binding; "cupy" calls CuPy's Function (which wraps every argument in an
+# object per launch: on an H100 host about 18 µs a launch, several per saved tensor). The environment variable
+# picks one for a process, the default "driver".
+LAUNCH_MODES = ("driver", "cupy")
+LAUNCH_ENV = "LIGHTNING_ACT_KERNEL_LAUNCH"
+
+
+def launch_mode(mode: str | None = None) -> str:
+    """``mode``, else ``$LIGHTNING_ACT_KERNEL_LAUNCH``, else ``"driver"``; a ValueError names any other value."""
+    source = "launch"
+    if mode is None:
+        mode, source = os.environ.get(LAUNCH_ENV, "driver"), LAUNCH_ENV
+    if mode not in LAUNCH_MODES:
+        raise ValueError(f"{source}={mode!r}; expected one of {', '.join(map(repr, LAUNCH_MODES))}")
+    return mode
+
+
+# Bytes per argument slot of a KernelArguments block: every scalar a kernel takes fits, each slot 8-byte aligned.
+ARGUMENT_SLOT = 8
+_STRUCT_CODES = {np.dtype(t): code for t, code in (
+    (np.uint64, "Q"), (np.int64, "q"), (np.uint32, "I"), (np.int32, "i"), (np.uint16, "H"), (np.int16, "h"),
+    (np.uint8, "B"), (np.int8, "b"), (np.float32, "f"), (np.float64, "d"))}
+
+
+class KernelArguments:
+    """A kernel's arguments as ``cuLaunchKernel`` reads them: each value in an 8-byte slot of one ctypes buffer, and
+    an array of pointers to the slots at ``address``. Built once per kernel and thread from the types of its first
+    launch's arguments (NumPy scalars, as every launcher passes); :meth:`pack` writes a launch's values in place
+    with one ``struct.pack_into`` (the driver copies them before the launch returns, so the block is reused at
+    once). Float values pass through a Python float: exact for every value but signalling NaNs (the launchers'
+    float arguments are finite error bounds)."""
+
+    __slots__ = ("types", "address", "_buffer", "_pointers", "pack")
+
+    def __init__(self, args: Sequence[np.generic]):
+        codes = []
+        for position, arg in enumerate(args):
+            code = _STRUCT_CODES.get(getattr(arg, "dtype", None))
+            if code is None:
+                raise TypeError(f"kernel argument {position} is {type(arg).__name__}; expected a NumPy scalar of "
+                                f"one of {', '.join(str(d) for d in _STRUCT_CODES)}")
+            codes.append(f"{code}{ARGUMENT_SLOT - arg.dtype.itemsize}x")
+        self.types = tuple(arg.dtype for arg in args)
+        self._buffer = ctypes.create_string_buffer(ARGUMENT_SLOT * max(len(args), 1))
+        base = ctypes.addressof(self._buffer)
+        self._pointers = (ctypes.c_void_p * max(len(args), 1))(*[base + ARGUMENT_SLOT * i for i in range(len(args))])
+        self.address = ctypes.addressof(self._pointers)
+        # "=": native byte order (the device's: little-endian), no alignment beyond the explicit padding
+        self.pack = functools.partial(struct.Struct("=" + "".join(codes)).pack_into, self._buffer, 0)
+
+
 class CupyRunner:
     """Runs kernels with CuPy: one ``RawModule`` per (source, device), compiled on first use, launched on the
     current torch CUDA stream of the tensors' device, without host synchronisation.
 
     A launch is on the hot path (several per saved tensor), so everything that can be is built once: the
-    compiled function per (source, kernel, device) and one CuPy stream object per torch stream; a CuPy device
-    context is entered only when torch's current device is not the tensors'."""
+    compiled function per (source, kernel, device); with ``launch="driver"`` (the default, see :func:`launch_mode`)
+    a :class:`KernelArguments` block per kernel and thread, launched on torch's raw stream handle through
+    ``cupy.cuda.driver.launchKernel``; with ``"cupy"``, CuPy's own call and one CuPy stream object per torch stream.
+    A CuPy device context is entered only when torch's current device is not the tensors'."""
 
     device_type = "cuda"
 
-    def __init__(self):
+    def __init__(self, launch: str | None = None):
         from . import require_cupy
 
+        self.launch_mode = launch_mode(launch)
         self._cupy = require_cupy()
         self._modules = {}  # (source, device index) -> RawModule
         self._functions = {}  # (source, kernel, device index) -> Function
         self._streams = {}  # (device index, raw cudaStream_t) -> cupy ExternalStream
         self._multiprocessors = {}  # device index -> SM count, read once
+        self._thread = threading.local()  # .blocks: (source, kernel, device index) -> (CUfunction, KernelArguments)
+        # torch's current device: the C binding where torch has it (it initialises CUDA itself), without
+        # torch.cuda.current_device's Python layer, read on every launch
+        self._current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+        if self.launch_mode == "driver":
+            self._launch, self._launch_kernel = self._launch_driver, self._cupy.cuda.driver.launchKernel
+        else:
+            self._launch = self._launch_call
 
     def _function(self, source: str, kernel: str, device_index: int):
         function_key = (source, kernel, device_index)
@@ -100,16 +167,32 @@ class CupyRunner:
         return count
 
     def launch(self, source, kernel, grid, block, args, shared_mem, device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index == torch.cuda.current_device():
+        current = self._current_device()
+        index = device.index if device.index is not None else current
+        if index == current:
             self._launch(source, kernel, grid, block, args, shared_mem, index)
         else:
             with self._cupy.cuda.Device(index):
                 self._launch(source, kernel, grid, block, args, shared_mem, index)
 
-    def _launch(self, source, kernel, grid, block, args, shared_mem, index):
+    def _launch_call(self, source, kernel, grid, block, args, shared_mem, index):
         function = self._function(source, kernel, index)
         function(grid, block, tuple(args), shared_mem=shared_mem, stream=self._stream(index))
+
+    def _launch_driver(self, source, kernel, grid, block, args, shared_mem, index):
+        thread = self._thread
+        try:
+            blocks = thread.blocks
+        except AttributeError:
+            blocks = thread.blocks = {}
+        found = blocks.get((source, kernel, index))
+        if found is None:
+            found = blocks[(source, kernel, index)] = (self._function(source, kernel, index).ptr,
+                                                       KernelArguments(args))
+        function, arguments = found
+        arguments.pack(*args)
+        self._launch_kernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                            shared_mem, _current_raw_stream(index), arguments.address, 0)
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch only

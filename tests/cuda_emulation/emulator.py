@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ CACHE_DIR = Path(tempfile.gettempdir()) / "lightning_act_cuda_emulation"
 # extern "C" __global__ void [__launch_bounds__(...)] name(
 KERNEL_PATTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
 MAX_PARAMS = 64
+_LAUNCHES = threading.Lock()
 # the launcher packs pointers as uint64 data pointers
 NUMPY_KIND = {"p": "u", "i": "i", "u": "u", "f": "f"}
 
@@ -94,8 +96,16 @@ class EmulatedModule:
                                 f"got {type(arg).__name__}")
         values = [np.array(arg) for arg in args]  # owned copies whose addresses the kernel reads
         pointers = (ctypes.c_void_p * len(values))(*(v.ctypes.data for v in values))
-        getattr(self._lib, f"emu_launch_{kernel}")((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
-                                                    ctypes.c_ulonglong(shared_mem), pointers)
+        self.launch_packed(kernel, grid, block, shared_mem, ctypes.addressof(pointers))
+
+    def launch_packed(self, kernel: str, grid, block, shared_mem: int, params: int) -> None:
+        """Launch with cuLaunchKernel's ``kernelParams``: the address of an array of pointers, one to each
+        argument's value, read at the sizes of the kernel's parameters (as the driver reads them). One launch at a
+        time in the process: ``__shared__`` arrays are function statics (cuda_shim.h), which two launches of a
+        kernel from two Python threads would share."""
+        with _LAUNCHES:
+            getattr(self._lib, f"emu_launch_{kernel}")((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block),
+                                                        ctypes.c_ulonglong(shared_mem), ctypes.c_void_p(params))
 
 
 class EmulatorRunner:
