@@ -442,6 +442,16 @@ def test_launch_mode_is_checked(monkeypatch):
         CupyRunner(launch="raw")
 
 
+def test_a_cupy_without_the_driver_binding_launches_through_its_call(tmp_path, monkeypatch):
+    fake = FakeCupy(tmp_path)
+    del fake.cuda.driver
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
+    monkeypatch.delenv(launcher.LAUNCH_ENV, raising=False)
+    assert CupyRunner().launch_mode == "cupy"  # the default falls back
+    with pytest.raises(RuntimeError, match=r"launch='driver' needs cupy.cuda.driver.launchKernel"):
+        CupyRunner(launch="driver")
+
+
 @pytest.mark.toolchain
 @requires_gxx
 def test_argument_packing_is_checked_against_the_kernel_signature():

@@ -136,8 +136,14 @@ class CupyRunner:
         # torch's current device: the C binding where torch has it (it initialises CUDA itself), without
         # torch.cuda.current_device's Python layer, read on every launch
         self._current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+        launch_kernel = getattr(getattr(self._cupy.cuda, "driver", None), "launchKernel", None)
+        if self.launch_mode == "driver" and launch_kernel is None:  # a CuPy without the binding: its own call
+            if launch == "driver":
+                raise RuntimeError(f"launch='driver' needs cupy.cuda.driver.launchKernel, which CuPy "
+                                   f"{getattr(self._cupy, '__version__', '?')} lacks; use launch='cupy'")
+            self.launch_mode = "cupy"
         if self.launch_mode == "driver":
-            self._launch, self._launch_kernel = self._launch_driver, self._cupy.cuda.driver.launchKernel
+            self._launch, self._launch_kernel = self._launch_driver, launch_kernel
         else:
             self._launch = self._launch_call
 
