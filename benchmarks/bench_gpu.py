@@ -26,7 +26,8 @@ checkpointing: HF layers through the config, other models' blocks through ``ligh
 chunked attention, HF only); the peers torch checkpointing (``gradient_checkpointing_enable()`` for HF,
 ``torch.utils.checkpoint`` per block otherwise) and ``torch.autograd.graph.save_on_cpu``; the model
 ``torch.compile``'d (in place) alone, with 4-bit activations compressed inside its graphs
-(``lightning_act.compiled_regions``) and with torch checkpointing; the memory-budget mode
+(``lightning_act.compiled_regions``: by the CuPy kernel ops, or ``4-bit traced``: by the encode traced into the graphs
+and the ``backend="compile"`` decode, in the default mode or ``reduce-overhead``) and with torch checkpointing; the memory-budget mode
 (``ACTConfig(memory_budget=...)``, planned by ``lightning_act.adapt.memory_budget.MemoryBudget``) at torch
 checkpointing's peak unless ``--memory-budget`` says.
 
@@ -128,6 +129,11 @@ METHODS = {
     "compiled (reduce-overhead)": Method(compiled=True, compile_mode="reduce-overhead"),
     "compiled (reduce-overhead), 4-bit": Method(act.ACTConfig(bits=4, adaptive=False), compiled=True,
                                                 compile_mode="reduce-overhead"),
+    # the encode traced into the graphs (inductor's Triton, no Python per tensor at run time) and the codec's
+    # compiled decode, not the CuPy kernel ops: with CUDA graphs, only the decode ops run between them
+    "compiled, 4-bit traced": Method(act.ACTConfig(bits=4, adaptive=False, backend="compile"), compiled=True),
+    "compiled (reduce-overhead), 4-bit traced": Method(act.ACTConfig(bits=4, adaptive=False, backend="compile"),
+                                                       compiled=True, compile_mode="reduce-overhead"),
     "compiled, torch checkpoint": Method(checkpoint="torch", compiled=True),
     "memory budget": Method(budget=True),
 }

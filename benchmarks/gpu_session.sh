@@ -48,8 +48,9 @@ pack
 compiled=$(( $(left) < 230 ? $(left) : 230 ))
 if [ "$compiled" -gt 120 ]; then
     timeout "$compiled" python benchmarks/bench_gpu.py --time-budget $(( compiled - 110 )) --models bert-base \
-        --configs baseline "compiled, 4-bit" \
-        "compiled (reduce-overhead), 4-bit" compiled "compiled, torch checkpoint" --out "$out/gpu_compiled.md" \
+        --configs baseline "compiled (reduce-overhead), 4-bit traced" "compiled, 4-bit" \
+        "compiled (reduce-overhead), 4-bit" "compiled, 4-bit traced" compiled "compiled, torch checkpoint" \
+        --out "$out/gpu_compiled.md" \
         --profile "$out/profiles_compiled" > "$out/bench_gpu_compiled.log" 2>&1
     echo "bench_gpu.py, compiled rows: exit $?, $(left) s left"
     pack

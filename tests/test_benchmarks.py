@@ -271,20 +271,20 @@ def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     out = tmp_path / "gpu.md"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny", "--models",
                              "bert-base", "--configs", "baseline", "compiled, 4-bit",
-                             "compiled (reduce-overhead), 4-bit", "--repeats", "2",
+                             "compiled (reduce-overhead), 4-bit", "compiled, 4-bit traced", "--repeats", "2",
                              "--warmup", "1", "--out", str(out), "--profile", str(tmp_path / "profiles")],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
-    assert set(rows) == {"baseline", "compiled, 4-bit", "compiled (reduce-overhead), 4-bit"}
+    assert set(rows) == {"baseline", "compiled, 4-bit", "compiled (reduce-overhead), 4-bit", "compiled, 4-bit traced"}
     assert all("error" not in r for r in rows.values()), rows
-    for name in ("compiled, 4-bit", "compiled (reduce-overhead), 4-bit"):
+    for name in ("compiled, 4-bit", "compiled (reduce-overhead), 4-bit", "compiled, 4-bit traced"):
         assert rows[name]["ratio"] > 3 and rows[name]["stored_mib"] < rows["baseline"]["stored_mib"]
     # --profile: one profiled step per configuration, its ops by their own time (the backward's decodes among them)
     profiles = {p.name: p.read_text() for p in (tmp_path / "profiles").iterdir()}
     baseline, compressed = (next(text for name, text in profiles.items() if name.endswith(f"{suffix}.txt"))
                             for suffix in ("_baseline", "_compiled_4_bit"))
-    assert len(profiles) == 3 and "aten::" in baseline and "lightning_act::dequantize" not in baseline
+    assert len(profiles) == 4 and "aten::" in baseline and "lightning_act::dequantize" not in baseline
     assert "lightning_act::dequantize" in compressed
     assert all("kernel_ms" not in r for r in rows.values())  # no device here: no kernel time, no column
     assert "kernels ms" not in out.read_text()
