@@ -7,12 +7,13 @@
 # 1. check_gpu.py: the driver launch against CuPy's call (alone first: see below), the kernels against the specification on the device, no host synchronisation, lorenzo's trim,
 #    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, a compiled model (the kernel encode
 #    op), host µs per saved tensor (and a cProfile of those hooks);
-# 2. bench_gpu.py on BERT-base torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing), each
+# 2. bench_kernel_sweep.py: what bounds the quantize kernels (about 15 s);
+# 3. bench_gpu.py on BERT-base torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing), each
 #    compiling first (the compile times are reported): not measured yet, so first;
-# 3. bench_gpu.py, the rows issue #20 judges (ResNet-50 first, whose max-pool indices changed, then BERT-base:
+# 4. bench_gpu.py, the rows issue #20 judges (ResNet-50 first, whose max-pool indices changed, then BERT-base:
 #    baseline, 4-bit, L1, torch checkpointing, 2-bit), each row with a profiled step (its kernel time; its ops in
 #    profiles/);
-# 4. bench_host_overhead.py --quick, the CPU proxy of the host figure on this host; bench_host_calls.py, host µs
+# 5. bench_host_overhead.py --quick, the CPU proxy of the host figure on this host; bench_host_calls.py, host µs
 #    per call of each layer of the per-tensor path with the real kernels; bench_torch_path.py --device
 #    cuda: each codec's torch path, and two codecs' compiled pipeline, against the kernels (GB/s, how many times);
 #    in the time left the other models and configurations.
@@ -40,6 +41,10 @@ echo "kernel launch: ${LIGHTNING_ACT_KERNEL_LAUNCH:-driver}" >> "$out/gpu_env.tx
 timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" --host-profile "$out/gpu_host_profile.txt" \
     > "$out/gpu_checks.log" 2>&1
 echo "check_gpu.py: exit $?, $(left) s left"
+pack
+# what bounds the quantize kernels (grid, group size, bits, dtype against copy_ and the mask kernels): 10-20 s
+timeout 60 python benchmarks/bench_kernel_sweep.py --out "$out/kernel_sweep_gpu.md" > "$out/kernel_sweep_gpu.log" 2>&1
+echo "bench_kernel_sweep.py: exit $?, $(left) s left"
 pack
 # torch.compile'd BERT-base: compressed inside the graphs (the kernel encode op: no hooks per tensor at run time),
 # in the default mode and with CUDA graphs between the ops (reduce-overhead), against the compiled model alone

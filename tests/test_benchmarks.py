@@ -321,7 +321,10 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
     stand_in, calls, out = tmp_path / "bin", tmp_path / "calls.txt", tmp_path / "out"
     stand_in.mkdir()
     out.mkdir()
-    (stand_in / "python").write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {calls}; echo >> {calls}\n'
+    # it logs each call with the kernel launch it would use; FAIL_LAUNCH: the launch check fails
+    (stand_in / "python").write_text(f'#!/usr/bin/env bash\nprintf "%q " "${{LIGHTNING_ACT_KERNEL_LAUNCH:-driver}}" '
+                                     f'"$@" >> {calls}; echo >> {calls}\n'
+                                     '[ -n "${FAIL_LAUNCH:-}" ] && [ "$2 $3" = "--only launch" ] && exit 1\n'
                                      'while [ $# -gt 0 ]; do [ "$1" = --out ] && echo rows > "$2"; shift; done\n')
     (stand_in / "python").chmod(0o755)
     env = {"PATH": f"{stand_in}:/usr/bin:/bin", "OUT": str(out), "HOME": str(tmp_path)}
@@ -330,8 +333,8 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
     assert sorted(p.name for p in out.iterdir()) == ["gpu_results.tgz"]
     with tarfile.open(out / "gpu_results.tgz") as archive:
         names = {Path(name).name for name in archive.getnames()}
-    assert {"gpu_checks.md", "torch_path_gpu.md", "torch_path_gpu_compiled.md", "gpu.md", "gpu_compiled.md",
-            "gpu_more.md"} <= names
+    assert {"gpu_launch_check.md", "gpu_checks.md", "kernel_sweep_gpu.md", "torch_path_gpu.md",
+            "torch_path_gpu_compiled.md", "gpu.md", "gpu_compiled.md", "gpu_more.md"} <= names
     asked = []
     for name in ("_clock", "_sync"):  # main() sets them for CUDA: restored after the test
         monkeypatch.setattr(bench_torch_path, name, getattr(bench_torch_path, name))
@@ -340,7 +343,7 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
     monkeypatch.setattr(bench_torch_path, "report", lambda *args: "")
     for line in calls.read_text().splitlines():
         if "bench_torch_path.py" in line:
-            words = shlex.split(line)
+            words = shlex.split(line)[1:]  # after the kernel launch
             words[words.index("--out") + 1] = str(tmp_path / "torch_path.md")
             bench_torch_path.main(words[1:])
     every = ("cuda", tuple(bench_torch_path.CODECS), ())  # the first call: one shape, no compiled pipeline
@@ -352,6 +355,16 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
     assert "compiled, 4-bit" in runs[0] and runs[0][runs[0].index("--out") + 1].endswith("gpu_compiled.md")
     assert runs[1][runs[1].index("--out") + 1].endswith("/gpu.md") and runs[1].index("resnet50") < runs[1].index(
         "bert-base")
+    # the driver launch is checked first; every call launches through it while it holds, through CuPy's call after
+    # it failed
+    first = shlex.split(calls.read_text().splitlines()[1])  # after nvidia-smi's environment line
+    assert first[1:] == ["benchmarks/check_gpu.py", "--only", "launch", "--out", first[-1]]
+    assert {line.split()[0] for line in calls.read_text().splitlines()} == {"driver"}
+    calls.unlink()
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "500"], env={**env, "FAIL_LAUNCH": "1"},
+                   check=True, capture_output=True, timeout=60)
+    launches = [line.split()[0] for line in calls.read_text().splitlines()]
+    assert launches[:2] == ["driver", "driver"] and set(launches[2:]) == {"cupy"}, launches
 
 
 def test_bench_gpu_writes_every_row_as_it_goes_and_keeps_to_its_time_budget(tmp_path):
@@ -573,3 +586,29 @@ def test_bench_host_calls_times_each_layer_of_the_path_and_an_eager_step():
     assert f"| eager | {eager['compressed']} | {eager['plain_ms']:.2f} |" in text
     with pytest.raises(ValueError, match="--device tpu; expected cpu or cuda"):
         bench_host_calls.main(["--device", "tpu"])
+
+
+@pytest.mark.toolchain
+@requires_gxx
+def test_bench_kernel_sweep_varies_one_knob_at_a_time_on_the_emulator(tmp_path):
+    """bench_kernel_sweep.py (the GPU diagnosis of the quantize kernels' bound) on CPU through the emulator: per
+    dtype, copy_, the mask kernels and every quantize knob, encode and decode; the grid follows the factor; without
+    CUDA and without --emulate it exits 2."""
+    import bench_kernel_sweep
+    from tests.cuda_emulation.emulator import EmulatorRunner
+
+    assert bench_kernel_sweep.main([]) == bench_kernel_sweep.NO_CUDA_EXIT
+    scaled = bench_kernel_sweep.ScaledGrid(EmulatorRunner(), 0.25)
+    assert scaled.multiprocessors(torch.device("cpu")) == 33 and scaled.device_type == "cpu"  # 132 x 0.25
+    out = tmp_path / "sweep.md"
+    assert bench_kernel_sweep.main(["--emulate", "--shape", "2", "640", "--calls", "1", "--out", str(out)]) == 0
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| ") and "---" not in line][1:]  # after the header
+    knobs = len(bench_kernel_sweep.GRID_FACTORS) + len(bench_kernel_sweep.GROUPS) + len(bench_kernel_sweep.BITS) - 2
+    assert len(rows) == len(bench_kernel_sweep.DTYPES) * (3 + 2 * knobs)
+    assert [r[0] for r in rows[:3]] == ["copy_", "mask_encode", "mask_decode"] and rows[0][8] == "1.00"
+    # 1280 elements: one block at every factor; its threads follow the group size (8 elements a thread)
+    grids = {(r[1], r[2], r[3], r[4]): r[5] for r in rows if r[0] == "quantize_encode"}
+    assert len(grids) == len(bench_kernel_sweep.DTYPES) * knobs
+    assert grids[("bfloat16", "1", "256", "4")] == "1 x 96" and grids[("bfloat16", "1", "1024", "4")] == "1 x 128"
+    assert all(float(r[6]) > 0 for r in rows)

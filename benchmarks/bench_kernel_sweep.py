@@ -1,0 +1,177 @@
+"""What bounds the quantize kernels on a GPU (issue #20): device time per launch across the choices that set it.
+
+The H100 runs put the quantize kernels far under their roofline (``roofline_cuda.md``). From the third run's
+figures: a ResNet-50 step's 104 bfloat16 encodes moved 4.4 GB in 7.6 ms (17% of HBM) and ``bench_torch_path``
+timed the encode of a 16 x 256 x 56 x 56 activation at 170 G elements/s in float32 and 133 G in bfloat16, the
+decode at 230 and 219 G: about one element per multiprocessor clock, whatever the dtype and direction, while the
+mask kernels moved 2.5 TB/s in the same step. This sweep separates the candidate bounds, one knob at a time, on one
+activation (``--shape``, default 16 x 256 x 56 x 56):
+
+- ``grid``: the grid sized for ``factor`` x the SM count (0.25 to 4; 1 is what the launcher uses): latency-bound
+  kernels speed up with more blocks in flight, issue-bound ones do not;
+- ``group``: group sizes 64, 256 and 1024 (teams of a quarter warp, one warp, four warps: the shuffle and
+  shared-memory reductions);
+- ``bits`` 2, 4, 8 and the dtypes float32 and bfloat16 (bytes per element against work per element);
+- the same tensor's ``copy_`` (the bandwidth reference) and the positive-mask encode and decode (the kernels that
+  run near it).
+
+Each row: µs per launch from CUDA events around ``--calls`` launches (the tensor is large enough that the device, not
+the host, sets the pace), GB/s of bytes read plus written, its fraction of ``copy_``'s, and elements per SM clock.
+Needs CUDA and CuPy (exit 2 otherwise); ``--emulate`` runs the same code path on CPU through the test suite's
+emulator (``PYTHONPATH=.``; tiny shapes, times meaningless), which is how the tests keep it working.
+
+    python benchmarks/bench_kernel_sweep.py [--shape 16 256 56 56] [--calls 20] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_act.cuda import launcher
+from lightning_act.cuda.masks import mask_decode_packed, mask_encode_packed
+from lightning_act.cuda.quantize import _launch_config, dequantize_cuda, quantize_cuda
+from lightning_act.formats._bitpack import packed_nbytes
+from models import machine, publish
+
+NO_CUDA_EXIT = 2
+GRID_FACTORS = (0.25, 0.5, 1, 2, 4)
+GROUPS = (64, 256, 1024)
+BITS = (2, 4, 8)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ScaledGrid:
+    """A runner that hands launches to ``runner`` but reports ``factor`` x its SM count, so the launchers size the
+    grid for that many multiprocessors (their plans are cached per count)."""
+
+    def __init__(self, runner: launcher.KernelRunner, factor: float):
+        self.runner, self.factor, self.device_type = runner, factor, runner.device_type
+
+    def multiprocessors(self, device: torch.device) -> int:
+        return max(1, round(launcher.multiprocessors(self.runner, device) * self.factor))
+
+    def launch(self, *args) -> None:
+        self.runner.launch(*args)
+
+
+class Timer:
+    """Seconds per call of ``fn``: CUDA events around ``calls`` calls on a GPU (the median of 3 such rounds), the
+    wall clock elsewhere."""
+
+    def __init__(self, device: torch.device, calls: int):
+        self.device, self.calls = device, calls
+
+    def __call__(self, fn) -> float:
+        fn()  # compiles, plans, allocates once
+        rounds = []
+        for _ in range(3):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(self.calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                rounds.append(start.elapsed_time(end) / 1e3 / self.calls)
+            else:
+                started = time.perf_counter()
+                for _ in range(self.calls):
+                    fn()
+                rounds.append((time.perf_counter() - started) / self.calls)
+        return statistics.median(rounds)
+
+
+def _row(kernel: str, x: torch.Tensor, seconds: float, moved: int, clock_hz: float, sms: int, **knobs) -> dict:
+    return {"kernel": kernel, "dtype": str(x.dtype).removeprefix("torch."), **knobs, "us": seconds * 1e6,
+            "gbps": moved / seconds / 1e9, "elements_per_sm_clock": x.numel() / seconds / (sms * clock_hz)}
+
+
+def sweep(shape: tuple[int, ...], calls: int, runner: launcher.KernelRunner, device: torch.device,
+          clock_hz: float) -> list[dict]:
+    """The rows: per dtype, ``copy_`` and the mask kernels, then quantize encode and decode across the knobs (each
+    knob varied from the launcher's choice: grid factor 1, group 256, 4 bits)."""
+    timer, sms, rows = Timer(device, calls), launcher.multiprocessors(runner, device), []
+    for dtype in DTYPES.values():
+        x = torch.randn(shape, device=device).relu_().to(dtype)
+        n, size = x.numel(), x.element_size()
+        out = torch.empty_like(x)
+        rows.append(_row("copy_", x, timer(lambda: out.copy_(x)), 2 * n * size, clock_hz, sms))
+        bits = mask_encode_packed(x, True, runner=runner)
+        rows.append(_row("mask_encode", x, timer(lambda: mask_encode_packed(x, True, runner=runner)),
+                         n * size + bits.numel(), clock_hz, sms))
+        rows.append(_row("mask_decode", x, timer(lambda: mask_decode_packed(bits, x.shape, dtype, runner=runner)),
+                         n * size + bits.numel(), clock_hz, sms))
+        flat = x.view(-1)
+        knobs = [(f, 256, 4) for f in GRID_FACTORS] + [(1, g, 4) for g in GROUPS if g != 256] + \
+                [(1, 256, b) for b in BITS if b != 4]
+        for factor, group, b in knobs:
+            scaled = ScaledGrid(runner, factor)
+            grid, block, _ = _launch_config(n, group, scaled.multiprocessors(device))
+            encoded = quantize_cuda(flat, b, group, torch.float32, 0, 1, runner=scaled)
+            stored = packed_nbytes(n, b) + 2 * 4 * -(-n // group)
+            shape_knobs = {"factor": factor, "group": group, "bits": b, "grid": f"{grid[0]} x {block[0]}"}
+            rows.append(_row("quantize_encode", x, timer(
+                lambda: quantize_cuda(flat, b, group, torch.float32, 0, 1, runner=scaled, checked=False)),
+                n * size + stored, clock_hz, sms, **shape_knobs))
+            rows.append(_row("quantize_decode", x, timer(
+                lambda: dequantize_cuda(*encoded, n, b, group, dtype, runner=scaled, checked=False)),
+                n * size + stored, clock_hz, sms, **shape_knobs))
+    copies = {r["dtype"]: r["gbps"] for r in rows if r["kernel"] == "copy_"}
+    for r in rows:
+        r["of_copy"] = r["gbps"] / copies[r["dtype"]]
+    return rows
+
+
+def report(rows: list[dict], device_name: str, shape: tuple[int, ...], command: str) -> str:
+    lines = [f"# Kernel sweep on {device_name}", "", f"{machine()}. Command: `{command}`", "",
+             f"One {' x '.join(map(str, shape))} ReLU'd activation; µs per launch (CUDA events around each round of "
+             "launches, the median of 3 rounds); GB/s of bytes read plus written; `of copy_`: that over the same "
+             "dtype's `copy_`; elements per SM clock: elements / time / (SMs x clock). Knobs: grid sized for factor "
+             "x the SMs (1: the launcher's), group size, bits (float32 statistics).", "",
+             "| kernel | dtype | factor | group | bits | grid x block | µs | GB/s | of copy_ | elements / SM clock |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['dtype']} | {r.get('factor', '')} | {r.get('group', '')} | "
+                     f"{r.get('bits', '')} | {r.get('grid', '')} | {r['us']:.1f} | {r['gbps']:.0f} | "
+                     f"{r['of_copy']:.2f} | {r['elements_per_sm_clock']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=int, nargs="+", default=[16, 256, 56, 56])
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--emulate", action="store_true", help="CPU, through the test suite's emulator (PYTHONPATH=.)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if any(d < 1 for d in args.shape) or args.calls < 1:
+        raise ValueError(f"--shape {args.shape} --calls {args.calls}; expected positive sizes and calls")
+    if args.emulate:
+        from tests.cuda_emulation.emulator import EmulatorRunner
+
+        runner, device, name, clock_hz = EmulatorRunner(), torch.device("cpu"), "CPU (emulator)", 1e9
+    elif torch.cuda.is_available():
+        from lightning_act.cuda import require_cupy
+
+        device = torch.device("cuda")
+        runner = launcher.default_runner()
+        name = torch.cuda.get_device_name(device)
+        clock_hz = require_cupy().cuda.Device(device.index or 0).attributes["ClockRate"] * 1e3
+    else:
+        print("bench_kernel_sweep.py times the CUDA kernels, and torch sees no CUDA device: nothing was measured "
+              "(--emulate runs the code path on CPU).", file=sys.stderr)
+        return NO_CUDA_EXIT
+    with launcher.use_runner(runner):
+        rows = sweep(tuple(args.shape), args.calls, runner, device, clock_hz)
+    command = "python benchmarks/bench_kernel_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    publish(report(rows, name, tuple(args.shape), command.strip()), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
