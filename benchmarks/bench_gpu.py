@@ -79,6 +79,7 @@ from lightning_act.adapt.memory_budget import MemoryBudget, budget_units
 from lightning_act.checkpoint import checkpoint as compressed_checkpoint
 from lightning_act.models import gnn, resnet8, resnet50
 from lightning_act.profiling import measure_step_memory
+from lightning_act.stats import COMPRESSED, KEPT
 from models import publish
 
 HERE = Path(__file__).resolve().parent
@@ -403,6 +404,7 @@ class Runner:
             if prepared.compressor is not None:
                 stats = prepared.compressor.stats()
                 row["ratio"], row["stored_mib"] = stats.ratio, stats.device_bytes / MiB
+                row["stored_by"] = stored_by_kind(stats)
             elif method == METHODS["baseline"]:
                 row["stored_mib"] = self.saved_bytes(loss_fn) / MiB
             if prepared.auto is not None:
@@ -580,6 +582,29 @@ def _step_range(row: dict) -> str:
     return "-" if spread is None else f"{spread[0]:.1f}-{spread[1]:.1f}"
 
 
+def stored_by_kind(stats, top: int = 6) -> list[dict]:
+    """Where a step's stored bytes go: its compressed and kept saved tensors grouped by kind, codec, bits, dtype
+    and (kept ones) the reason, the ``top`` groups storing most first, each with its count and MiB saved and
+    stored (what a compiled graph stores against the eager engine, say)."""
+    groups: dict[tuple, list] = {}
+    for r in stats.records:
+        if r.kind in (COMPRESSED, KEPT):
+            key = (r.kind, r.codec, round(float(r.bits), 2), str(r.dtype).removeprefix("torch."), r.reason)
+            group = groups.setdefault(key, [0, 0, 0])
+            group[0] += 1
+            group[1] += r.original_bytes
+            group[2] += r.stored_bytes
+    ordered = sorted(groups.items(), key=lambda item: -item[1][2])[:top]
+    return [{"kind": kind, "codec": codec, "bits": bits, "dtype": dtype, "reason": reason, "count": count,
+             "original_mib": original / MiB, "stored_mib": stored / MiB}
+            for (kind, codec, bits, dtype, reason), (count, original, stored) in ordered]
+
+
+def _stored_group(g: dict) -> str:
+    what = f"{g['codec']} at {g['bits']:g} bits" if g["kind"] == "compressed" else f"kept ({g['reason']})"
+    return f"{g['count']} {g['dtype']} {what}: {g['original_mib']:.1f} -> {g['stored_mib']:.1f} MiB"
+
+
 def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, command: str, args,
            final: bool = True) -> str:
     kernels = any("kernel_ms" in r for r in rows)
@@ -635,6 +660,12 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
         lines += ["First step of the compiled configurations (their compilation, caches cold unless an earlier "
                   "configuration compiled the same graphs): " + ", ".join(
                       f"{r['model']} {r['config']} {r['first_step_s']:.0f} s" for r in compiled) + ".", ""]
+    stored = [r for r in rows if r.get("stored_by")]
+    if stored:
+        lines += ["Where the stored bytes go (each compressed row's saved tensors grouped by codec, bits, dtype, or "
+                  "the reason they were kept; the groups storing most first, MiB saved -> stored):", ""]
+        lines += [f"- {r['model']}, {r['config']}: " + "; ".join(map(_stored_group, r["stored_by"])) for r in stored]
+        lines.append("")
     lines += [f"Not run: {why}." for why in not_run]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -232,6 +232,12 @@ def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_pa
             elif name != "baseline":
                 assert r.get("ratio") is None  # the peers store nothing compressed
         assert configs["2-bit"]["ratio"] > configs["4-bit"]["ratio"]
+        # where the stored bytes go: groups that add up to no more than the row stores, the largest first
+        groups = configs["4-bit"]["stored_by"]
+        assert any(g["codec"] == "quantize" and g["bits"] == 4 and g["kind"] == "compressed" for g in groups)
+        assert [g["stored_mib"] for g in groups] == sorted((g["stored_mib"] for g in groups), reverse=True)
+        assert sum(g["stored_mib"] for g in groups) <= configs["4-bit"]["stored_mib"] + 1e-6
+        assert f"- {model}, 4-bit: {groups[0]['count']} " in table
         assert configs["L1"]["allocated"][0] > 0  # the auto-precision allocation applied to saved tensors
         budget = configs["memory budget"]
         assert budget["budget_mib"] == pytest.approx(configs["torch checkpoint"]["peak_mib"])
