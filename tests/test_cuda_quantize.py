@@ -261,10 +261,20 @@ class FakeCupy:
         self.attribute_reads, self.grids, self.functions = [], [], []
         fake = self
 
-        class Function:
+        class Function:  # cupy.cuda.function.Function: a CUfunction handle
             def __init__(self, module, name):
                 self.module, self.name, self.ptr = module, name, 0x1000 + len(fake.functions)
                 fake.functions.append(self)
+
+        class RawKernel:  # what RawModule.get_function returns: callable, its .kernel the current device's Function
+            def __init__(self, module, name):
+                self.module, self.name, self._kernel = module, name, None
+
+            @property
+            def kernel(self):
+                if self._kernel is None:
+                    self._kernel = Function(self.module, self.name)
+                return self._kernel
 
             def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
                 fake.launch_streams.append(stream.ptr)
@@ -279,7 +289,7 @@ class FakeCupy:
                 self._module = EmulatedModule(source)
 
             def get_function(self, name):
-                return Function(self._module, name)
+                return RawKernel(self._module, name)
 
         def launch_kernel(f, gx, gy, gz, bx, by, bz, shared_mem, stream, kernel_params, extra):
             function = fake.functions[f - 0x1000]

@@ -192,8 +192,8 @@ class CupyRunner:
         except AttributeError:
             blocks = thread.blocks = {}
         found = blocks.get((source, kernel, index))
-        if found is None:
-            found = blocks[(source, kernel, index)] = (self._function(source, kernel, index).ptr,
+        if found is None:  # RawModule.get_function gives a RawKernel: its .kernel is the device's CUfunction
+            found = blocks[(source, kernel, index)] = (self._function(source, kernel, index).kernel.ptr,
                                                        KernelArguments(args))
         function, arguments = found
         arguments.pack(*args)
