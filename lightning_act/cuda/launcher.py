@@ -92,7 +92,7 @@ class KernelArguments:
     once). Float values pass through a Python float: exact for every value but signalling NaNs (the launchers'
     float arguments are finite error bounds)."""
 
-    __slots__ = ("types", "address", "_buffer", "_pointers", "pack")
+    __slots__ = ("address", "_buffer", "_pointers", "pack")
 
     def __init__(self, args: Sequence[np.generic]):
         codes = []
@@ -102,7 +102,6 @@ class KernelArguments:
                 raise TypeError(f"kernel argument {position} is {type(arg).__name__}; expected a NumPy scalar of "
                                 f"one of {', '.join(str(d) for d in _STRUCT_CODES)}")
             codes.append(f"{code}{ARGUMENT_SLOT - arg.dtype.itemsize}x")
-        self.types = tuple(arg.dtype for arg in args)
         self._buffer = ctypes.create_string_buffer(ARGUMENT_SLOT * max(len(args), 1))
         base = ctypes.addressof(self._buffer)
         self._pointers = (ctypes.c_void_p * max(len(args), 1))(*[base + ARGUMENT_SLOT * i for i in range(len(args))])
@@ -129,7 +128,7 @@ class CupyRunner:
         self.launch_mode = launch_mode(launch)
         self._cupy = require_cupy()
         self._modules = {}  # (source, device index) -> RawModule
-        self._functions = {}  # (source, kernel, device index) -> Function
+        self._functions = {}  # (source, kernel, device index) -> RawKernel
         self._streams = {}  # (device index, raw cudaStream_t) -> cupy ExternalStream
         self._multiprocessors = {}  # device index -> SM count, read once
         self._thread = threading.local()  # .blocks: (source, kernel, device index) -> (CUfunction, KernelArguments)
