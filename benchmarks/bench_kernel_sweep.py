@@ -1,11 +1,13 @@
 """What bounds the quantize kernels on a GPU (issue #20): device time per launch across the choices that set it.
 
-The H100 runs put the quantize kernels far under their roofline (``roofline_cuda.md``). From the third run's
-figures: a ResNet-50 step's 104 bfloat16 encodes moved 4.4 GB in 7.6 ms (17% of HBM) and ``bench_torch_path``
-timed the encode of a 16 x 256 x 56 x 56 activation at 170 G elements/s in float32 and 133 G in bfloat16, the
-decode at 230 and 219 G: about one element per multiprocessor clock, whatever the dtype and direction, while the
-mask kernels moved 2.5 TB/s in the same step. This sweep separates the candidate bounds, one knob at a time, on one
-activation (``--shape``, default 16 x 256 x 56 x 56):
+The H100 runs put the quantize kernels far under their roofline (``roofline_cuda.md``). In the third run's
+profiled ResNet-50 step (device times), 104 bfloat16 encodes of 14 M elements on average took 72 µs each: 4.4 GB
+read and written in 7.6 ms (17% of HBM), about one element per multiprocessor clock; the 110 decodes took 33 µs
+each, about two; the mask kernels of the same step moved 2.2-2.5 TB/s. (``bench_torch_path``'s GPU rates time
+each call with the host's launch and a synchronisation around it, so they bound the kernels from below only.)
+The design's own counts (16 instructions an element for a bfloat16 decode, 32 KB in flight per SM) predict
+several times that. This sweep separates the candidate bounds, one knob at a time, on one activation
+(``--shape``, default 16 x 256 x 56 x 56):
 
 - ``grid``: the grid sized for ``factor`` x the SM count (0.25 to 4; 1 is what the launcher uses): latency-bound
   kernels speed up with more blocks in flight, issue-bound ones do not;
