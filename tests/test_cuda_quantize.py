@@ -452,6 +452,42 @@ def test_launch_mode_is_checked(monkeypatch):
         CupyRunner(launch="raw")
 
 
+@pytest.mark.toolchain
+@requires_gxx
+@pytest.mark.parametrize("chosen", [False, True])
+def test_a_driver_launch_the_binding_refuses_falls_back_to_cupys_call_unless_chosen(tmp_path, monkeypatch, chosen):
+    """The default launch is proven by the first one: a binding that refuses it (a CuPy whose signature differs)
+    leaves CuPy's own call to launch that kernel and every later one, with a warning; a driver launch asked for by
+    name raises instead."""
+    fake = FakeCupy(tmp_path)
+    refused = []
+
+    def refuse(*args):
+        refused.append(args)
+        raise TypeError("launchKernel() takes exactly 12 positional arguments (11 given)")
+
+    fake.cuda.driver.launchKernel = refuse
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=3))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv(launcher.LAUNCH_ENV, raising=False)
+    runner = CupyRunner(launch="driver" if chosen else None)
+    runner.device_type = "cpu"
+    x = torch.randn(2, 300)
+    if chosen:
+        with pytest.raises(TypeError, match="takes exactly 12"):
+            quantize_cuda(x, 4, 64, torch.float32, 1, 2, runner=runner)
+        return
+    with pytest.warns(RuntimeWarning, match=r"launching quantize_encode through cupy.cuda.driver.launchKernel "
+                                            r"failed \(TypeError: launchKernel\(\) takes exactly 12"):
+        encoded = quantize_cuda(x, 4, 64, torch.float32, 1, 2, runner=runner)
+    assert_same_encoding(encoded, quantize_reference(x, 4, 64, torch.float32, 1, 2))
+    decoded = dequantize_cuda(*encoded, x.numel(), 4, 64, x.dtype, runner=runner)  # no second attempt, no warning
+    assert_same_bits(decoded, dequantize_reference(*quantize_reference(x, 4, 64, torch.float32, 1, 2), x.numel(), 4,
+                                                   64, x.dtype))
+    assert len(refused) == 1 and runner.launch_mode == "cupy" and fake.launch_streams == [3, 3]
+
+
 def test_a_cupy_without_the_driver_binding_launches_through_its_call(tmp_path, monkeypatch):
     fake = FakeCupy(tmp_path)
     del fake.cuda.driver

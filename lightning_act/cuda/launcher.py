@@ -13,6 +13,7 @@ import functools
 import os
 import struct
 import threading
+import warnings
 from collections.abc import Mapping
 from importlib import resources
 from typing import Iterator, NamedTuple, Protocol, Sequence
@@ -141,8 +142,11 @@ class CupyRunner:
                 raise RuntimeError(f"launch='driver' needs cupy.cuda.driver.launchKernel, which CuPy "
                                    f"{getattr(self._cupy, '__version__', '?')} lacks; use launch='cupy'")
             self.launch_mode = "cupy"
+        # the default is proven by the first launch: should the binding refuse it, CuPy's call takes over (an
+        # explicit "driver", by argument or environment, raises instead)
+        self._driver_chosen = launch == "driver" or os.environ.get(LAUNCH_ENV) == "driver"
         if self.launch_mode == "driver":
-            self._launch, self._launch_kernel = self._launch_driver, launch_kernel
+            self._launch, self._launch_kernel = self._launch_first, launch_kernel
         else:
             self._launch = self._launch_call
 
@@ -183,6 +187,20 @@ class CupyRunner:
     def _launch_call(self, source, kernel, grid, block, args, shared_mem, index):
         function = self._function(source, kernel, index)
         function(grid, block, tuple(args), shared_mem=shared_mem, stream=self._stream(index))
+
+    def _launch_first(self, source, kernel, grid, block, args, shared_mem, index):
+        try:
+            self._launch_driver(source, kernel, grid, block, args, shared_mem, index)
+        except Exception as error:
+            if self._driver_chosen:
+                raise
+            warnings.warn(f"lightning_act: launching {kernel} through cupy.cuda.driver.launchKernel failed "
+                          f"({type(error).__name__}: {error}); kernels launch through CuPy's own call from now on "
+                          f"({LAUNCH_ENV}=cupy skips this attempt)", RuntimeWarning, stacklevel=2)
+            self.launch_mode, self._launch = "cupy", self._launch_call
+            self._launch_call(source, kernel, grid, block, args, shared_mem, index)
+        else:
+            self._launch = self._launch_driver
 
     def _launch_driver(self, source, kernel, grid, block, args, shared_mem, index):
         thread = self._thread
