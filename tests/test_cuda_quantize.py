@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import lightning_act.codecs as act_codecs
 import lightning_act.cuda as cuda_pkg
 import lightning_act.cuda.launcher as launcher
 import lightning_act.cuda.quantize as cuda_quantize
@@ -369,6 +370,36 @@ def test_cupy_runner_sizes_grids_to_the_multiprocessors(tmp_path, monkeypatch, l
     encoded = quantize_cuda(x, 2, 32, torch.float32, 1, 2, runner=runner)
     assert_same_encoding(encoded, quantize_reference(x, 2, 32, torch.float32, 1, 2))
     assert fake.grids == [(3 * cuda_quantize.RESIDENT_THREADS_PER_SM // 256, 1, 1)]
+
+
+@pytest.mark.toolchain
+@requires_gxx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("codec", ["quantize", "positive_mask"])
+def test_codecs_through_the_driver_launch_store_the_torch_paths_bytes(tmp_path, monkeypatch, dtype, memory_format,
+                                                                      codec):
+    """Each codec's kernel path through CupyRunner's driver launch (its argument blocks read as the driver reads
+    them, by the emulator) stores and decodes what its torch path does, for every float dtype (float64: the kernels
+    round it to float32 as the specification does) and a channels_last tensor."""
+    fake = FakeCupy(tmp_path)
+    monkeypatch.setattr(cuda_pkg, "require_cupy", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=5))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    runner = CupyRunner(launch="driver")
+    runner.device_type = "cpu"
+    x = torch.randn(2, 5, 7, 9).to(dtype).contiguous(memory_format=memory_format)
+    x[0, 0, 0, :3] = 0.0
+    reference = act_codecs.get(codec, backend="torch")
+    expected = reference.encode(x, key=4)
+    with launcher.use_runner(runner):
+        kernel = act_codecs.get(codec, backend="cupy")
+        packed = kernel.encode(x, key=4)
+        decoded = kernel.decode(packed)
+    for name in expected.buffers:
+        assert_same_bits(packed.buffers[name].reshape(-1), expected.buffers[name].reshape(-1))
+    assert_same_bits(decoded, reference.decode(expected))
+    assert fake.launch_streams == [5, 5]  # one encode and one decode, both through the driver
 
 
 @pytest.mark.toolchain

@@ -136,15 +136,15 @@ class CupyRunner:
         # torch's current device: the C binding where torch has it (it initialises CUDA itself), without
         # torch.cuda.current_device's Python layer, read on every launch
         self._current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+        # "driver" by default falls back to CuPy's call where the binding is missing or refuses the first launch;
+        # "driver" asked for by name (argument or environment) raises instead
+        self._driver_chosen = self.launch_mode == "driver" and (launch is not None or LAUNCH_ENV in os.environ)
         launch_kernel = getattr(getattr(self._cupy.cuda, "driver", None), "launchKernel", None)
-        if self.launch_mode == "driver" and launch_kernel is None:  # a CuPy without the binding: its own call
-            if launch == "driver":
+        if self.launch_mode == "driver" and launch_kernel is None:
+            if self._driver_chosen:
                 raise RuntimeError(f"launch='driver' needs cupy.cuda.driver.launchKernel, which CuPy "
                                    f"{getattr(self._cupy, '__version__', '?')} lacks; use launch='cupy'")
             self.launch_mode = "cupy"
-        # the default is proven by the first launch: should the binding refuse it, CuPy's call takes over (an
-        # explicit "driver", by argument or environment, raises instead)
-        self._driver_chosen = launch == "driver" or os.environ.get(LAUNCH_ENV) == "driver"
         if self.launch_mode == "driver":
             self._launch, self._launch_kernel = self._launch_first, launch_kernel
         else:
