@@ -144,11 +144,12 @@ __device__ __forceinline__ void round_stats(float mn, float mx, int levels, int 
     }
 }
 
-// clamp(floor((x - mn) * inv + u), 0, levels); comparisons are false for NaN, so NaN -> 0
+// clamp(floor((x - mn) * inv + u), 0, levels), NaN -> 0, without a branch: fmaxf drops NaN and negatives to 0,
+// the round-down conversion saturates (+inf -> 2**32 - 1), an integer min clamps. Branch-free, so the compiler
+// interleaves a chunk's elements (with the clamp as branches, each element ran as its own serial chain).
 __device__ __forceinline__ unsigned int quantize_one(float x, float mn, float inv, float u, int levels) {
-    const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(x, mn), inv), u));
-    if (t >= (float)levels) return (unsigned int)levels;
-    return t > 0.0f ? (unsigned int)t : 0u;
+    const float t = __fadd_rn(__fmul_rn(__fsub_rn(x, mn), inv), u);
+    return min(__float2uint_rd(fmaxf(t, 0.0f)), (unsigned int)levels);
 }
 
 // ---- chunks of 8 consecutive elements: 16-byte vector loads and stores ----

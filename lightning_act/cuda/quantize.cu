@@ -19,13 +19,21 @@
 //   groups by ceil(chunks / 32) warps, each reducing with shuffles and then once through shared memory (the
 //   only use of it). Group sizes whose chunk count neither divides 32 nor is a multiple of it (96, 160, 288,
 //   ...) leave the last warp of the team partly idle.
-// - Each thread handles SLOTS = 2 groups per iteration (both loads in flight before either is reduced), and the
-//   grid (a few blocks per multiprocessor, from the launcher) strides over the groups.
+// - Each thread handles SLOTS = 2 groups per iteration of the encode (both loads in flight before either is
+//   reduced), DECODE_SLOTS = 4 of the decode, and the grid (a few blocks per multiprocessor, from the launcher)
+//   strides over the groups.
+// - No branch per element: codes are computed for the 8 elements of every chunk (quantize_one is branch-free)
+//   and the missing elements' are masked after, so ptxas interleaves the 8 independent hash-and-round chains.
+//   With a branch per element (the first version), each element ran as its own serial chain: the encode reached
+//   about one element per SM clock on an H200 whatever the grid, group size or bits (kernel_sweep_gpu.md).
 // - Encode reads x once; decode reads each payload byte and statistic once; each writes each output once.
 // - One instantiation per (bits, dtype), each a __noinline__ function: inlined into one kernel they make ptxas
 //   spill at the 64-register cap of 1024-thread blocks; called once per thread, each fits without spilling.
 
 #define SLOTS 2
+// Decode keeps no group statistics in flight between threads, so each thread takes more chunks per iteration:
+// their payload and statistics loads are all issued before any is used (more bytes in flight per SM).
+#define DECODE_SLOTS 4
 
 // A thread's place: its team (one group per slot) and its chunk in the group. team_threads: chunks when a
 // warp holds whole teams (chunks divides 32), else whole warps; blockDim.x is a multiple of it (the launcher).
@@ -89,6 +97,8 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
         // min and max with fminf / fmaxf (one instruction each, NaN ignored) and a NaN flag (torch.amin / amax
         // propagate NaN: a group holding one gets NaN for both, below). The short last group skips its missing
         // elements (the spec pads with copies of its last element, which leaves min and max unchanged).
+        // Missing elements stand in as the chunk's first (a select, not a branch); a thread with none contributes
+        // the identities.
         bool nan[SLOTS];
 #pragma unroll
         for (int s = 0; s < SLOTS; ++s) {
@@ -97,11 +107,15 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
             nan[s] = false;
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
-                if (j < count[s]) {
-                    lo[s] = fminf(lo[s], v[s][j]);
-                    hi[s] = fmaxf(hi[s], v[s][j]);
-                    nan[s] = nan[s] || v[s][j] != v[s][j];
-                }
+                const float e = j < count[s] ? v[s][j] : v[s][0];
+                lo[s] = fminf(lo[s], e);
+                hi[s] = fmaxf(hi[s], e);
+                nan[s] = nan[s] || e != e;
+            }
+            if (count[s] == 0) {
+                lo[s] = __uint_as_float(0x7f800000u);
+                hi[s] = __uint_as_float(0xff800000u);
+                nan[s] = false;
             }
         }
         // inside the warp: xor shuffles over the team's lanes, one vote for the NaN flags
@@ -157,15 +171,23 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
                         q.chunk == 0 && group < groups, &mn, &step);
             if (count[s] == 0) continue;
             const float inv = step > 0.0f ? __frcp_rn(step) : 0.0f;
-            // 8 codes = BITS whole bytes (element i at bit (i % (32 / BITS)) * BITS of its 32-bit word); the
-            // missing elements of the last chunk are 0, as the spec's packing pads
+            // 8 codes = BITS whole bytes (element i at bit (i % (32 / BITS)) * BITS of its 32-bit word), all 8
+            // computed with no per-element condition; the codes of the last chunk's missing elements are then
+            // cleared to 0, as the spec's packing pads
             const unsigned int key = uniform24_key(rng_base, e0[s]);
+            const unsigned int index = (unsigned int)e0[s];  // uniform24_keyed hashes the low 32 bits only
             unsigned int word[2] = {0u, 0u};
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
-                const unsigned int code =
-                    j < count[s] ? quantize_one(v[s][j], mn, inv, uniform24_keyed(key, e0[s] + j), levels) : 0u;
+                const unsigned int code = quantize_one(v[s][j], mn, inv, uniform24_keyed(key, index + j), levels);
                 word[(j * BITS) >> 5] |= code << ((j * BITS) & 31);
+            }
+            if (count[s] < CHUNK) {
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const int kept = count[s] * BITS - 32 * k;  // code bits of this word that are elements
+                    word[k] &= kept >= 32 ? 0xffffffffu : kept <= 0 ? 0u : (1u << kept) - 1u;
+                }
             }
             const long long byte = (e0[s] >> 3) * BITS;  // e0 is a multiple of CHUNK = 8
             if (count[s] == CHUNK && payload_vector) {
@@ -233,16 +255,16 @@ __device__ __noinline__ void decode_groups(const unsigned char* __restrict__ pay
     const long long groups = (numel + group_size - 1) / group_size;
     const long long payload_bytes = (numel * BITS + 7) >> 3;
     const bool out_vector = aligned16(out), payload_vector = ((unsigned long long)payload & 7ull) == 0;
-    const long long per_block = (long long)q.teams * SLOTS;
+    const long long per_block = (long long)q.teams * DECODE_SLOTS;
     const unsigned int code_mask = (1u << BITS) - 1u;
     for (long long base = (long long)blockIdx.x * per_block; base < groups; base += (long long)gridDim.x * per_block) {
-        unsigned int word[SLOTS][2];
-        float mn[SLOTS], step[SLOTS];
-        long long e0[SLOTS];
-        int count[SLOTS];
+        unsigned int word[DECODE_SLOTS][2];
+        float mn[DECODE_SLOTS], step[DECODE_SLOTS];
+        long long e0[DECODE_SLOTS];
+        int count[DECODE_SLOTS];
         // every load of both slots first
 #pragma unroll
-        for (int s = 0; s < SLOTS; ++s) {
+        for (int s = 0; s < DECODE_SLOTS; ++s) {
             const long long group = base + (long long)s * q.teams + q.team;
             e0[s] = group * group_size + (long long)q.chunk * CHUNK;
             count[s] = chunk_count(q, group, groups, e0[s], numel);
@@ -271,7 +293,7 @@ __device__ __noinline__ void decode_groups(const unsigned char* __restrict__ pay
             }
         }
 #pragma unroll
-        for (int s = 0; s < SLOTS; ++s) {
+        for (int s = 0; s < DECODE_SLOTS; ++s) {
             if (count[s] == 0) continue;
             float v[CHUNK];
 #pragma unroll

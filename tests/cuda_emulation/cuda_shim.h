@@ -218,6 +218,13 @@ inline float __double2float_rn(double d) { return cuda_emu::gpu_nan(static_cast<
 // after <cmath>: only the kernel sources see these
 #define floorf(x) cuda_emu::gpu_nan(std::floor(static_cast<float>(x)))
 #define rintf(x) cuda_emu::gpu_nan(std::rint(static_cast<float>(x)))
+// cvt.rmi.u32.f32: round down, saturating to [0, 2**32 - 1], NaN -> 0
+inline unsigned __float2uint_rd(float x) {
+    if (x != x) return 0u;
+    const float f = std::floor(x);
+    if (f <= 0.0f) return 0u;
+    return f >= 4294967296.0f ? 0xffffffffu : static_cast<unsigned>(f);
+}
 inline unsigned __float_as_uint(float f) { return std::bit_cast<unsigned>(f); }
 inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
 inline double __longlong_as_double(long long v) { return std::bit_cast<double>(v); }
