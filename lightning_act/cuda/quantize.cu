@@ -19,9 +19,9 @@
 //   groups by ceil(chunks / 32) warps, each reducing with shuffles and then once through shared memory (the
 //   only use of it). Group sizes whose chunk count neither divides 32 nor is a multiple of it (96, 160, 288,
 //   ...) leave the last warp of the team partly idle.
-// - Each thread handles SLOTS = 2 groups per iteration of the encode (both loads in flight before either is
-//   reduced), DECODE_SLOTS = 4 of the decode, and the grid (a few blocks per multiprocessor, from the launcher)
-//   strides over the groups.
+// - Each thread handles SLOTS = 2 groups per iteration (both loads in flight before either is reduced), and the
+//   grid (a few blocks per multiprocessor, from the launcher) strides over the groups. (4 in the decode measured
+//   no faster on an H200 in bfloat16 and 18% slower in float32: kernel_sweep_gpu.md, second run.)
 // - No branch per element: codes are computed for the 8 elements of every chunk (quantize_one is branch-free)
 //   and the missing elements' are masked after, so ptxas interleaves the 8 independent hash-and-round chains.
 //   With a branch per element (the first version), each element ran as its own serial chain: the encode reached
@@ -31,9 +31,6 @@
 //   spill at the 64-register cap of 1024-thread blocks; called once per thread, each fits without spilling.
 
 #define SLOTS 2
-// Decode keeps no group statistics in flight between threads, so each thread takes more chunks per iteration:
-// their payload and statistics loads are all issued before any is used (more bytes in flight per SM).
-#define DECODE_SLOTS 4
 
 // A thread's place: its team (one group per slot) and its chunk in the group. team_threads: chunks when a
 // warp holds whole teams (chunks divides 32), else whole warps; blockDim.x is a multiple of it (the launcher).
@@ -255,16 +252,16 @@ __device__ __noinline__ void decode_groups(const unsigned char* __restrict__ pay
     const long long groups = (numel + group_size - 1) / group_size;
     const long long payload_bytes = (numel * BITS + 7) >> 3;
     const bool out_vector = aligned16(out), payload_vector = ((unsigned long long)payload & 7ull) == 0;
-    const long long per_block = (long long)q.teams * DECODE_SLOTS;
+    const long long per_block = (long long)q.teams * SLOTS;
     const unsigned int code_mask = (1u << BITS) - 1u;
     for (long long base = (long long)blockIdx.x * per_block; base < groups; base += (long long)gridDim.x * per_block) {
-        unsigned int word[DECODE_SLOTS][2];
-        float mn[DECODE_SLOTS], step[DECODE_SLOTS];
-        long long e0[DECODE_SLOTS];
-        int count[DECODE_SLOTS];
+        unsigned int word[SLOTS][2];
+        float mn[SLOTS], step[SLOTS];
+        long long e0[SLOTS];
+        int count[SLOTS];
         // every load of both slots first
 #pragma unroll
-        for (int s = 0; s < DECODE_SLOTS; ++s) {
+        for (int s = 0; s < SLOTS; ++s) {
             const long long group = base + (long long)s * q.teams + q.team;
             e0[s] = group * group_size + (long long)q.chunk * CHUNK;
             count[s] = chunk_count(q, group, groups, e0[s], numel);
@@ -293,7 +290,7 @@ __device__ __noinline__ void decode_groups(const unsigned char* __restrict__ pay
             }
         }
 #pragma unroll
-        for (int s = 0; s < DECODE_SLOTS; ++s) {
+        for (int s = 0; s < SLOTS; ++s) {
             if (count[s] == 0) continue;
             float v[CHUNK];
 #pragma unroll
