@@ -15,14 +15,19 @@ several times that. This sweep separates the candidate bounds, one knob at a tim
   shared-memory reductions);
 - ``bits`` 2, 4, 8 and the dtypes float32 and bfloat16 (bytes per element against work per element);
 - the same tensor's ``copy_`` (the bandwidth reference) and the positive-mask encode and decode (the kernels that
-  run near it).
+  run near it);
+- ablations (``--ablations``, default all): the encode at the launcher's choice with one part of its work removed
+  from the source (the noise hash, the statistics' rounding, the team's min/max reduction; then all three, leaving
+  the loads and stores), compiled apart: what each part costs. An H200 ran the encode at about 1.4 elements per SM
+  clock whatever the grid (0.5-4x the SMs), group size or bits, and removing its branches gained 10-17%
+  (kernel_sweep_gpu_run5b.md): neither latency nor the one branch per element bounds it.
 
 Each row: µs per launch from CUDA events around ``--calls`` launches (the tensor is large enough that the device, not
 the host, sets the pace), GB/s of bytes read plus written, its fraction of ``copy_``'s, and elements per SM clock.
 Needs CUDA and CuPy (exit 2 otherwise); ``--emulate`` runs the same code path on CPU through the test suite's
 emulator (``PYTHONPATH=.``; tiny shapes, times meaningless), which is how the tests keep it working.
 
-    python benchmarks/bench_kernel_sweep.py [--shape 16 256 56 56] [--calls 20] [--out FILE]
+    python benchmarks/bench_kernel_sweep.py [--shape 16 256 56 56] [--calls 20] [--ablations NAME ...] [--out FILE]
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ import torch
 
 from lightning_act.cuda import launcher
 from lightning_act.cuda.masks import mask_decode_packed, mask_encode_packed
-from lightning_act.cuda.quantize import _launch_config, dequantize_cuda, quantize_cuda
+from lightning_act.cuda.quantize import SOURCE, _launch_config, dequantize_cuda, quantize_cuda
 from lightning_act.formats._bitpack import packed_nbytes
 from models import machine, publish
 
@@ -59,6 +64,62 @@ class ScaledGrid:
 
     def launch(self, *args) -> None:
         self.runner.launch(*args)
+
+
+# Parts of the encode removed one at a time (source text -> its replacement in quantize.cu): what is left runs the
+# same loads, stores and grid, so each ablated row's time against the full encode's is what that part costs.
+# The outputs of an ablated kernel are meaningless; only its time is read.
+ABLATIONS = {
+    "without the noise hash": [("uniform24_keyed(key, index + j)", "0.5f")],
+    "without the statistics' rounding": [
+        ("round_stats(lo[s], hi[s], levels, stats_dtype, mn_out, step_out, group,\n"
+         "                        q.chunk == 0 && group < groups, &mn, &step);", "mn = lo[s];\n step = hi[s];")],
+    "without the team's reduction": [
+        ("lo[s] = fminf(lo[s], __shfl_xor_sync(FULL_WARP, lo[s], offset));", ""),
+        ("hi[s] = fmaxf(hi[s], __shfl_xor_sync(FULL_WARP, hi[s], offset));", "")],
+}
+ABLATIONS["loads and stores alone"] = [patch for patches in ABLATIONS.values() for patch in patches]
+
+
+def ablated_source(name: str) -> str:
+    """quantize.cu as the launcher compiles it, with ablation ``name``'s parts removed; a ValueError where the
+    kernel no longer holds the text a part names (the sweep must follow the kernel's changes)."""
+    text = launcher.kernel_source(SOURCE)
+    for old, new in ABLATIONS[name]:
+        if text.count(old) != 1:
+            raise ValueError(f"ablation {name!r}: {old!r} occurs {text.count(old)} times in {SOURCE}; expected once")
+        text = text.replace(old, new)
+    return text
+
+
+class Ablated:
+    """A runner that launches the kernels of ``SOURCE`` from ``text`` (an ablated source) instead, on the GPU
+    through CuPy's call, on CPU through the emulator; other sources go to ``runner``."""
+
+    def __init__(self, runner: launcher.KernelRunner, text: str, name: str):
+        self.runner, self.device_type = runner, runner.device_type
+        if self.device_type == "cuda":
+            from lightning_act.cuda import require_cupy
+
+            self._cupy = require_cupy()
+            self._module = self._cupy.RawModule(code=text, options=launcher.NVRTC_OPTIONS)
+        else:
+            from tests.cuda_emulation.emulator import EmulatedModule
+
+            self._module = EmulatedModule(text=text, name=f"ablated-{name.replace(' ', '-')}.cu")
+
+    def multiprocessors(self, device: torch.device) -> int:
+        return launcher.multiprocessors(self.runner, device)
+
+    def launch(self, source, kernel, grid, block, args, shared_mem, device) -> None:
+        if source != SOURCE:
+            self.runner.launch(source, kernel, grid, block, args, shared_mem, device)
+        elif self.device_type == "cuda":
+            stream = self._cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+            self._module.get_function(kernel)(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem,
+                                              stream=stream)
+        else:
+            self._module.launch(kernel, grid, block, args, shared_mem)
 
 
 class Timer:
@@ -94,10 +155,12 @@ def _row(kernel: str, x: torch.Tensor, seconds: float, moved: int, clock_hz: flo
 
 
 def sweep(shape: tuple[int, ...], calls: int, runner: launcher.KernelRunner, device: torch.device,
-          clock_hz: float) -> list[dict]:
+          clock_hz: float, ablations: list[str] = list(ABLATIONS)) -> list[dict]:
     """The rows: per dtype, ``copy_`` and the mask kernels, then quantize encode and decode across the knobs (each
-    knob varied from the launcher's choice: grid factor 1, group 256, 4 bits)."""
+    knob varied from the launcher's choice: grid factor 1, group 256, 4 bits), then the encode at the launcher's
+    choice with each of ``ablations`` (names in ``ABLATIONS``)."""
     timer, sms, rows = Timer(device, calls), launcher.multiprocessors(runner, device), []
+    ablated_runners = {name: Ablated(runner, ablated_source(name), name) for name in ablations}  # compiled once
     for dtype in DTYPES.values():
         x = torch.randn(shape, device=device).relu_().to(dtype)
         n, size = x.numel(), x.element_size()
@@ -123,6 +186,11 @@ def sweep(shape: tuple[int, ...], calls: int, runner: launcher.KernelRunner, dev
             rows.append(_row("quantize_decode", x, timer(
                 lambda: dequantize_cuda(*encoded, n, b, group, dtype, runner=scaled, checked=False)),
                 n * size + stored, clock_hz, sms, **shape_knobs))
+        for name, ablated in ablated_runners.items():
+            stored = packed_nbytes(n, 4) + 2 * 4 * -(-n // 256)
+            rows.append(_row(f"quantize_encode, {name}", x, timer(
+                lambda: quantize_cuda(flat, 4, 256, torch.float32, 0, 1, runner=ablated, checked=False)),
+                n * size + stored, clock_hz, sms, factor=1, group=256, bits=4))
     copies = {r["dtype"]: r["gbps"] for r in rows if r["kernel"] == "copy_"}
     for r in rows:
         r["of_copy"] = r["gbps"] / copies[r["dtype"]]
@@ -149,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", type=int, nargs="+", default=[16, 256, 56, 56])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--emulate", action="store_true", help="CPU, through the test suite's emulator (PYTHONPATH=.)")
+    parser.add_argument("--ablations", nargs="*", choices=list(ABLATIONS), default=list(ABLATIONS),
+                        help="parts removed from the encode, one row each (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if any(d < 1 for d in args.shape) or args.calls < 1:
@@ -169,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
               "(--emulate runs the code path on CPU).", file=sys.stderr)
         return NO_CUDA_EXIT
     with launcher.use_runner(runner):
-        rows = sweep(tuple(args.shape), args.calls, runner, device, clock_hz)
+        rows = sweep(tuple(args.shape), args.calls, runner, device, clock_hz, args.ablations)
     command = "python benchmarks/bench_kernel_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])
     publish(report(rows, name, tuple(args.shape), command.strip()), args.out)
     return 0

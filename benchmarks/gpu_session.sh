@@ -7,7 +7,7 @@
 # 1. check_gpu.py: the driver launch against CuPy's call (alone first: see below), the kernels against the specification on the device, no host synchronisation, lorenzo's trim,
 #    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, a compiled model (the kernel encode
 #    op), host µs per saved tensor (and a cProfile of those hooks);
-# 2. bench_kernel_sweep.py: what bounds the quantize kernels (about 15 s);
+# 2. bench_kernel_sweep.py: what bounds the quantize kernels, and what each part of the encode costs (about 30 s);
 # 3. bench_gpu.py on BERT-base torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing), each
 #    compiling first (the compile times are reported): not measured yet, so first;
 # 4. bench_gpu.py, the rows issue #20 judges (ResNet-50 first, whose max-pool indices changed, then BERT-base:
@@ -42,7 +42,8 @@ timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" --host-pro
     > "$out/gpu_checks.log" 2>&1
 echo "check_gpu.py: exit $?, $(left) s left"
 pack
-# what bounds the quantize kernels (grid, group size, bits, dtype against copy_ and the mask kernels): 10-20 s
+# what bounds the quantize kernels (grid, group size, bits, dtype against copy_ and the mask kernels; the encode
+# with one part of its work removed at a time): 20-30 s
 timeout 60 python benchmarks/bench_kernel_sweep.py --out "$out/kernel_sweep_gpu.md" > "$out/kernel_sweep_gpu.log" 2>&1
 echo "bench_kernel_sweep.py: exit $?, $(left) s left"
 pack

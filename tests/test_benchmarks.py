@@ -594,6 +594,22 @@ def test_bench_host_calls_times_each_layer_of_the_path_and_an_eager_step():
         bench_host_calls.main(["--device", "tpu"])
 
 
+def test_bench_kernel_sweep_ablations_follow_the_kernel_source(monkeypatch):
+    """Each ablation removes text the encode holds exactly once (the kernels' changes must carry the sweep along):
+    the ablated source lacks it; a part the source lacks is a ValueError naming it."""
+    import bench_kernel_sweep
+    from lightning_act.cuda.launcher import kernel_source
+
+    original = kernel_source("quantize.cu")
+    for name, patches in bench_kernel_sweep.ABLATIONS.items():
+        text = bench_kernel_sweep.ablated_source(name)
+        assert text != original and all(old not in text for old, _ in patches), name
+    assert len(bench_kernel_sweep.ABLATIONS["loads and stores alone"]) == 4
+    monkeypatch.setitem(bench_kernel_sweep.ABLATIONS, "gone", [("no such text", "")])
+    with pytest.raises(ValueError, match="'no such text' occurs 0 times in quantize.cu"):
+        bench_kernel_sweep.ablated_source("gone")
+
+
 @pytest.mark.toolchain
 @requires_gxx
 def test_bench_kernel_sweep_varies_one_knob_at_a_time_on_the_emulator(tmp_path):
@@ -607,11 +623,14 @@ def test_bench_kernel_sweep_varies_one_knob_at_a_time_on_the_emulator(tmp_path):
     scaled = bench_kernel_sweep.ScaledGrid(EmulatorRunner(), 0.25)
     assert scaled.multiprocessors(torch.device("cpu")) == 33 and scaled.device_type == "cpu"  # 132 x 0.25
     out = tmp_path / "sweep.md"
-    assert bench_kernel_sweep.main(["--emulate", "--shape", "2", "640", "--calls", "1", "--out", str(out)]) == 0
+    ablation = "without the noise hash"  # one ablated source: each is a compile of its own
+    assert bench_kernel_sweep.main(["--emulate", "--shape", "2", "640", "--calls", "1", "--ablations", ablation,
+                                    "--out", str(out)]) == 0
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
             if line.startswith("| ") and "---" not in line][1:]  # after the header
     knobs = len(bench_kernel_sweep.GRID_FACTORS) + len(bench_kernel_sweep.GROUPS) + len(bench_kernel_sweep.BITS) - 2
-    assert len(rows) == len(bench_kernel_sweep.DTYPES) * (3 + 2 * knobs)
+    assert len(rows) == len(bench_kernel_sweep.DTYPES) * (3 + 2 * knobs + 1)
+    assert [r[0] for r in rows if ablation in r[0]] == [f"quantize_encode, {ablation}"] * 2
     assert [r[0] for r in rows[:3]] == ["copy_", "mask_encode", "mask_decode"] and rows[0][8] == "1.00"
     # 1280 elements: one block at every factor; its threads follow the group size (8 elements a thread)
     grids = {(r[1], r[2], r[3], r[4]): r[5] for r in rows if r[0] == "quantize_encode"}
