@@ -340,7 +340,7 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
     with tarfile.open(out / "gpu_results.tgz") as archive:
         names = {Path(name).name for name in archive.getnames()}
     assert {"gpu_launch_check.md", "gpu_checks.md", "kernel_sweep_gpu.md", "torch_path_gpu.md",
-            "torch_path_gpu_compiled.md", "gpu.md", "gpu_compiled.md", "gpu_more.md"} <= names
+            "torch_path_gpu_compiled.md", "gpu.md", "gpu_bert.md", "gpu_compiled.md", "gpu_more.md"} <= names
     asked = []
     for name in ("_clock", "_sync"):  # main() sets them for CUDA: restored after the test
         monkeypatch.setattr(bench_torch_path, name, getattr(bench_torch_path, name))
@@ -355,12 +355,12 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
     every = ("cuda", tuple(bench_torch_path.CODECS), ())  # the first call: one shape, no compiled pipeline
     assert [(a["device"], a["codecs"], a["compiled"]) for a in asked] == [
         every, ("cuda", ("quantize 4-bit", "division"), bench_torch_path.COMPILED)]
-    # the compiled model's rows first (not measured on a GPU yet), then issue #20's with ResNet-50 first
+    # issue #20's rows first, ResNet-50 and BERT-base each in its own process, then the compiled model's
     runs = [shlex.split(line) for line in calls.read_text().splitlines()
             if "bench_gpu.py" in line or "bench_torch_path" in line]
-    assert "compiled, 4-bit" in runs[0] and runs[0][runs[0].index("--out") + 1].endswith("gpu_compiled.md")
-    assert runs[1][runs[1].index("--out") + 1].endswith("/gpu.md") and runs[1].index("resnet50") < runs[1].index(
-        "bert-base")
+    assert [(r[r.index("--models") + 1], Path(r[r.index("--out") + 1]).name) for r in runs[:3]] == [
+        ("resnet50", "gpu.md"), ("bert-base", "gpu_bert.md"), ("bert-base", "gpu_compiled.md")]
+    assert "compiled, 4-bit" in runs[2] and "--models" in runs[0] and runs[0][runs[0].index("--models") + 2] == "--configs"
     # the driver launch is checked first; every call launches through it while it holds, through CuPy's call after
     # it failed
     first = shlex.split(calls.read_text().splitlines()[1])  # after nvidia-smi's environment line
