@@ -162,8 +162,9 @@ def test_float64_inputs_are_rounded_to_float32_like_the_reference(runner, case, 
 @requires_gxx
 def test_decode_of_arbitrary_statistics(runner, dtype, stats_dtype):
     """Random bit patterns as mn and step (any float, NaN and inf included), edge values of the float16
-    rounding and NaNs of every encoding: the kernel's float32 -> output dtype rounding and its NaN results must
-    agree with torch's everywhere."""
+    rounding, finite statistics whose values overflow and NaNs of every encoding: the kernel's float32 -> output
+    dtype rounding and its NaN results must agree with torch's everywhere (groups of finite statistics store
+    without the per-element NaN tests)."""
     gen = torch.Generator().manual_seed(5)
     groups, group_size, bits = 512, 32, 2
     edges = torch.tensor([65504.0, 65519.996, 65520.0, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0000001, 2.0**-14,
@@ -173,6 +174,8 @@ def test_decode_of_arbitrary_statistics(runner, dtype, stats_dtype):
     mn[: len(edges)] = edges
     step = torch.rand(groups, generator=gen) * 10.0 ** torch.randint(-45, 30, (groups,), generator=gen)
     step[: len(edges)] = 0.0  # decode to exactly mn
+    # finite statistics whose values overflow to an infinity (the decode's path without NaN tests)
+    mn[200:216], step[200:216] = torch.tensor([3.0e38, -3.0e38, 1.0, -1.0]).repeat(4), 2.0e38
     mn, step = mn.to(stats_dtype), step.to(stats_dtype)
     mn[100:108], step[108:116] = nan_tensor(stats_dtype), nan_tensor(stats_dtype)
     numel = groups * group_size - 5

@@ -52,11 +52,16 @@ __device__ __forceinline__ float uniform24(unsigned int base, long long index) {
 // ---- 16-bit floats as raw bits, converted exactly like torch on CPU (NaN aside: canonical) ----
 __device__ __forceinline__ float bf16_to_float(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
 
+// round to nearest even (c10::BFloat16), for a value known not to be NaN
+__device__ __forceinline__ unsigned short float_to_bf16_not_nan(float f) {
+    const unsigned int u = __float_as_uint(f);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // round to nearest even (c10::BFloat16); NaN -> the canonical NaN
 __device__ __forceinline__ unsigned short float_to_bf16(float f) {
-    const unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)CANONICAL_NAN_BF16;
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    if ((__float_as_uint(f) & 0x7fffffffu) > 0x7f800000u) return (unsigned short)CANONICAL_NAN_BF16;
+    return float_to_bf16_not_nan(f);
 }
 
 // torch.nextafter toward -inf / +inf (c10 BFloat16 nextafter); never called on NaN or on the target infinity
@@ -79,11 +84,13 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
     return __uint_as_float(sign | __float_as_uint(__fmul_rn((float)mantissa, TWO_POW_MINUS_24)));
 }
 
-// round to nearest even, subnormals included, overflow to inf; NaN -> the canonical NaN
+// round to nearest even, subnormals included, overflow to inf; NaN -> the canonical NaN (NOT_NAN: f is known not
+// to be NaN, and the test is left out)
+template <bool NOT_NAN = false>
 __device__ __forceinline__ unsigned short float_to_half(float f) {
     const unsigned int u = __float_as_uint(f);
     const unsigned int sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (unsigned short)CANONICAL_NAN_F16;
+    if (!NOT_NAN && a > 0x7f800000u) return (unsigned short)CANONICAL_NAN_F16;
     if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // >= 65520 rounds to inf
     if (a >= 0x38800000u) {                                           // normal half: >= 2**-14
         const unsigned int rebiased = a - 0x38000000u;                // exponent bias 127 -> 15
@@ -201,15 +208,17 @@ __device__ __forceinline__ void load_chunk(const void* __restrict__ x, long long
 }
 
 // float32 results rounded into DTYPE (float64: exact), NaN canonical, as store_float; vector: as load_chunk,
-// else only the first `count` elements are written
-template <int DTYPE>
+// else only the first `count` elements are written. NOT_NAN: the caller knows no value is NaN, and the vector path
+// leaves out the per-element NaN tests (the same bits for every other value).
+template <int DTYPE, bool NOT_NAN = false>
 __device__ __forceinline__ void store_chunk(void* __restrict__ out, long long e0, bool vector, int count,
                                             const float v[CHUNK]) {
     if (vector) {
         if (DTYPE == DTYPE_FLOAT32) {
             unsigned int u[CHUNK];
 #pragma unroll
-            for (int j = 0; j < CHUNK; ++j) u[j] = v[j] != v[j] ? CANONICAL_NAN_F32 : __float_as_uint(v[j]);
+            for (int j = 0; j < CHUNK; ++j)
+                u[j] = !NOT_NAN && v[j] != v[j] ? CANONICAL_NAN_F32 : __float_as_uint(v[j]);
             uint4* p = (uint4*)((float*)out + e0);
             uint4 a, b;
             a.x = u[0]; a.y = u[1]; a.z = u[2]; a.w = u[3];
@@ -221,17 +230,23 @@ __device__ __forceinline__ void store_chunk(void* __restrict__ out, long long e0
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 double2 d;
-                d.x = v[2 * k] != v[2 * k] ? __longlong_as_double(CANONICAL_NAN_F64) : (double)v[2 * k];
-                d.y = v[2 * k + 1] != v[2 * k + 1] ? __longlong_as_double(CANONICAL_NAN_F64) : (double)v[2 * k + 1];
+                d.x = !NOT_NAN && v[2 * k] != v[2 * k] ? __longlong_as_double(CANONICAL_NAN_F64) : (double)v[2 * k];
+                d.y = !NOT_NAN && v[2 * k + 1] != v[2 * k + 1] ? __longlong_as_double(CANONICAL_NAN_F64)
+                                                               : (double)v[2 * k + 1];
                 p[k] = d;
             }
         } else {
             unsigned int w[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const unsigned int a = DTYPE == DTYPE_FLOAT16 ? float_to_half(v[2 * k]) : float_to_bf16(v[2 * k]);
-                const unsigned int b = DTYPE == DTYPE_FLOAT16 ? float_to_half(v[2 * k + 1])
-                                                              : float_to_bf16(v[2 * k + 1]);
+                unsigned int a, b;
+                if (DTYPE == DTYPE_FLOAT16) {
+                    a = float_to_half<NOT_NAN>(v[2 * k]);
+                    b = float_to_half<NOT_NAN>(v[2 * k + 1]);
+                } else {
+                    a = NOT_NAN ? float_to_bf16_not_nan(v[2 * k]) : float_to_bf16(v[2 * k]);
+                    b = NOT_NAN ? float_to_bf16_not_nan(v[2 * k + 1]) : float_to_bf16(v[2 * k + 1]);
+                }
                 w[k] = a | (b << 16);
             }
             uint4 r;

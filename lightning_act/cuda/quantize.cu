@@ -298,7 +298,13 @@ __device__ __noinline__ void decode_groups(const unsigned char* __restrict__ pay
                 const unsigned int code = (word[s][(j * BITS) >> 5] >> ((j * BITS) & 31)) & code_mask;
                 v[j] = __fadd_rn(__fmul_rn((float)code, step[s]), mn[s]);
             }
-            store_chunk<DTYPE>(out, e0[s], out_vector && count[s] == CHUNK, count[s], v);
+            // mn + q * step is NaN only when mn or step is NaN or infinite (q * step overflows to an infinity of
+            // step's sign at most): a group of finite statistics stores without the per-element NaN tests
+            const bool vector = out_vector && count[s] == CHUNK;
+            if (fabsf(mn[s]) <= 3.402823466e+38f && fabsf(step[s]) <= 3.402823466e+38f)
+                store_chunk<DTYPE, true>(out, e0[s], vector, count[s], v);
+            else
+                store_chunk<DTYPE>(out, e0[s], vector, count[s], v);
         }
     }
 }
