@@ -780,6 +780,7 @@ def test_codec_kernel_path_launches_once_with_a_cached_plan():
         first = codec.encode(x, key=1)
         second = codec.encode(x, key=2)
         codec.decode(first)
+    assert second.buffers.data.data_ptr() != first.buffers.data.data_ptr()  # each encode its own buffer
     assert [kernel for kernel, *_ in runner.launches] == ["quantize_encode", "quantize_encode", "quantize_decode"]
     assert type(first.buffers) is launcher.OneBuffer
     assert first.buffers.data.untyped_storage().nbytes() == first.buffers.layout.total
