@@ -200,10 +200,21 @@ def main() -> None:
   it may fall short of the streaming efficiency; a float32 one keeps 64 KiB in flight.
 - **Decoders** of 16-bit outputs pay the exact float -> half / bfloat16 rounding in software (6 to 14
   instructions an element); bfloat16 stays memory-bound, float16 is close to the issue bound.
-- **Unmeasured.** These figures are the design's expectation. The measured numbers (issue 20: quantize 4-bit
-  float32 encode 506 GB/s of input before this rework) come from `benchmarks/bench_gpu.py` on a GPU; compare
-  them with this table and update `INSTRUCTIONS` with counts from `cuobjdump -sass` when a GPU toolchain is at
-  hand.
+- **Measured on an H200** (`kernel_sweep_gpu.md`, `kernel_sweep_gpu_run5b.md`: one 16 x 256 x 56 x 56
+  activation, group 256, 4 bits): the quantize encode at 1.3-1.5 elements per SM clock whatever the grid (0.5-4x
+  the SMs), group size or bits, 0.24-0.28 of `copy_` in bfloat16 and 0.4-0.5 in float32; the decode at 2-3
+  (0.5-0.6 of `copy_`). Neither is latency-bound, and both sit well under this table. The model's issue rate is
+  the cause: it counts every instruction at 128 lanes a clock, where sm_80 / sm_90 run 32-bit integer
+  instructions (add, logic, shift, multiply, min/max) at 64 and conversions at 16 (the CUDA programming guide's
+  throughput table). nvdisasm's listing of the sm_90 encode (bfloat16, 4 bits) shows about 41 instructions an
+  element on its path, not 33: 24 in the per-element code (the noise hash about 11, all integer; the clamp and
+  the packing 3 more; two conversions) and the rest per chunk (64-bit addressing, the team's reduction, the
+  statistics' rounding, the stores). At about 25 integer instructions an element the integer pipe alone bounds
+  the encode near 2.5 elements per SM clock; the sweep's ablations (`--ablations`) measure each part's share.
+  Changes since: the encode's clamp is branch-free (it had one branch an element, which kept ptxas from
+  interleaving a chunk's elements: 10-17% faster on the H200), and the decode of a group whose statistics are
+  finite stores without the per-element NaN tests (bfloat16: 4 instructions an element instead of about 7.5;
+  not yet timed on a GPU).
 """, "command: `python benchmarks/roofline_cuda.py` (arithmetic, no GPU involved)", ""]
     text = "\n".join(lines)
     args.out.write_text(text)
