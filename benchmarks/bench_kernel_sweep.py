@@ -70,7 +70,7 @@ class ScaledGrid:
 # same loads, stores and grid, so each ablated row's time against the full encode's is what that part costs.
 # The outputs of an ablated kernel are meaningless; only its time is read.
 ABLATIONS = {
-    "without the noise hash": [("uniform24_keyed(key, index + j)", "0.5f")],
+    "without the noise hash": [("uniform24_element(noise, j)", "0.5f")],
     "without the statistics' rounding": [
         ("round_stats(lo[s], hi[s], levels, stats_dtype, mn_out, step_out, group,\n"
          "                        q.chunk == 0 && group < groups, &mn, &step);", "mn = lo[s];\n step = hi[s];")],

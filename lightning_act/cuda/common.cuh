@@ -26,27 +26,31 @@
 #define TWO_POW_MINUS_24 5.9604644775390625e-08f
 
 // ---- counter-based RNG (rng.py) ----
-__device__ __forceinline__ unsigned int mix32(unsigned int x) {
-    x ^= x >> 16;
+// mix32 after its first xor-shift (uniform24_chunk does that step once for a chunk's elements)
+__device__ __forceinline__ unsigned int mix32_rest(unsigned int x) {
     x *= 0x21F0AAADu;
     x ^= x >> 15;
     x *= 0x735A2D97u;
     x ^= x >> 15;
     return x;
 }
+__device__ __forceinline__ unsigned int mix32(unsigned int x) { return mix32_rest(x ^ (x >> 16)); }
 
-// rng.uniform24: mix32(lo32(i) ^ mix32(base ^ hi32(i))) >> 8, times 2**-24 (exact). The inner hash depends on
-// hi32(i) only, the same for every element of an aligned chunk: kernels hash it once per chunk (uniform24_key)
-// and then pay one mix32 per element (uniform24_keyed).
-__device__ __forceinline__ unsigned int uniform24_key(unsigned int base, long long index) {
-    return mix32(base ^ (unsigned int)((unsigned long long)index >> 32));
+// rng.uniform24: mix32(lo32(i) ^ mix32(base ^ hi32(i))) >> 8, times 2**-24 (exact). Kernels draw it a chunk of 8
+// elements at a time, index0 a multiple of 8 and j < 8:
+// - the inner hash depends on hi32(i) only, the same for the whole chunk: uniform24_key, once a chunk;
+// - lo32(index0 + j) ^ key = X ^ j with X = lo32(index0) ^ key (index0 + j = index0 | j), and mix32's first step
+//   gives (X ^ j) ^ ((X ^ j) >> 16) = (X ^ (X >> 16)) ^ j: uniform24_chunk does it once a chunk, and each element
+//   pays one xor and mix32_rest (uniform24_element), bit for bit rng.uniform24.
+__device__ __forceinline__ unsigned int uniform24_key(unsigned int base, long long index0) {
+    return mix32(base ^ (unsigned int)((unsigned long long)index0 >> 32));
 }
-__device__ __forceinline__ float uniform24_keyed(unsigned int key, long long index) {
-    const unsigned int h = mix32((unsigned int)(unsigned long long)index ^ key);
-    return __fmul_rn((float)(h >> 8), TWO_POW_MINUS_24);
+__device__ __forceinline__ unsigned int uniform24_chunk(unsigned int key, long long index0) {
+    const unsigned int x = (unsigned int)(unsigned long long)index0 ^ key;
+    return x ^ (x >> 16);
 }
-__device__ __forceinline__ float uniform24(unsigned int base, long long index) {
-    return uniform24_keyed(uniform24_key(base, index), index);
+__device__ __forceinline__ float uniform24_element(unsigned int chunk, int j) {
+    return __fmul_rn((float)(mix32_rest(chunk ^ (unsigned int)j) >> 8), TWO_POW_MINUS_24);
 }
 
 // ---- 16-bit floats as raw bits, converted exactly like torch on CPU (NaN aside: canonical) ----

@@ -222,7 +222,7 @@ __device__ __noinline__ void encode_planes(const void* __restrict__ x, long long
             const bool whole = e0 >= base && e0 + CHUNK <= base + l.plane;
             const int k_first = (int)(max(e0, base) - base);
             PlaneWalk w = plane_walk(l, k_first);
-            const unsigned int key = uniform24_key(rng_base, e0);
+            const unsigned int noise = uniform24_chunk(uniform24_key(rng_base, e0), e0);
             unsigned int word[2] = {0u, 0u}, mask[2] = {0u, 0u};
             for (int j = 0; j < CHUNK; ++j) {
                 const long long e = e0 + j;
@@ -230,7 +230,7 @@ __device__ __noinline__ void encode_planes(const void* __restrict__ x, long long
                 if (e >= base && e < base + l.plane) {
                     const int k = (int)(e - base);
                     const float r = __fsub_rn(PLANE_VALUE(k), bf16_to_float(plane_lfc[w.cell]));
-                    word[half] |= quantize_one(r, mn, inv, uniform24_keyed(key, e), levels) << shift;
+                    word[half] |= quantize_one(r, mn, inv, uniform24_element(noise, j), levels) << shift;
                     mask[half] |= (unsigned int)levels << shift;
                     plane_step(l, w);
                 } else if (last_plane && e >= numel && ((e * bits) >> 3) < payload_bytes) {

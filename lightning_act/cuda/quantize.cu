@@ -171,12 +171,11 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
             // 8 codes = BITS whole bytes (element i at bit (i % (32 / BITS)) * BITS of its 32-bit word), all 8
             // computed with no per-element condition; the codes of the last chunk's missing elements are then
             // cleared to 0, as the spec's packing pads
-            const unsigned int key = uniform24_key(rng_base, e0[s]);
-            const unsigned int index = (unsigned int)e0[s];  // uniform24_keyed hashes the low 32 bits only
+            const unsigned int noise = uniform24_chunk(uniform24_key(rng_base, e0[s]), e0[s]);
             unsigned int word[2] = {0u, 0u};
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
-                const unsigned int code = quantize_one(v[s][j], mn, inv, uniform24_keyed(key, index + j), levels);
+                const unsigned int code = quantize_one(v[s][j], mn, inv, uniform24_element(noise, j), levels);
                 word[(j * BITS) >> 5] |= code << ((j * BITS) & 31);
             }
             if (count[s] < CHUNK) {
