@@ -156,11 +156,12 @@ __device__ __forceinline__ void round_stats(float mn, float mx, int levels, int 
 }
 
 // clamp(floor((x - mn) * inv + u), 0, levels), NaN -> 0, without a branch: fmaxf drops NaN and negatives to 0,
-// the round-down conversion saturates (+inf -> 2**32 - 1), an integer min clamps. Branch-free, so the compiler
-// interleaves a chunk's elements (with the clamp as branches, each element ran as its own serial chain).
+// fminf caps at levels (floor(min(t, L)) = min(floor(t), L) for an integer L), then one round-down conversion.
+// Branch-free, so the compiler interleaves a chunk's elements (with the clamp as branches, each element ran as
+// its own serial chain); the clamps are float instructions, which issue at twice the integer rate.
 __device__ __forceinline__ unsigned int quantize_one(float x, float mn, float inv, float u, int levels) {
     const float t = __fadd_rn(__fmul_rn(__fsub_rn(x, mn), inv), u);
-    return min(__float2uint_rd(fmaxf(t, 0.0f)), (unsigned int)levels);
+    return __float2uint_rd(fminf(fmaxf(t, 0.0f), (float)levels));
 }
 
 // ---- chunks of 8 consecutive elements: 16-byte vector loads and stores ----
@@ -178,8 +179,9 @@ __device__ __forceinline__ float bits16_to_float(unsigned int h) {
 }
 
 // elements e0 .. e0 + 7 as float32 (float64 rounded to nearest even); vector: the 16-byte path (element e0's
-// address aligned, chunk whole), else the first `count` elements one by one and 0 for the rest
-template <int DTYPE>
+// address aligned, chunk whole), else the first `count` elements one by one and 0 for the rest (PAD_FIRST: copies
+// of the first element, when there is one)
+template <int DTYPE, bool PAD_FIRST = false>
 __device__ __forceinline__ void load_chunk(const void* __restrict__ x, long long e0, bool vector, int count,
                                            float v[CHUNK]) {
     if (vector) {
@@ -207,7 +209,7 @@ __device__ __forceinline__ void load_chunk(const void* __restrict__ x, long long
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) v[j] = j < count ? load_float(x, e0 + j, DTYPE) : 0.0f;
+        for (int j = 0; j < CHUNK; ++j) v[j] = j < count ? load_float(x, e0 + j, DTYPE) : PAD_FIRST && j ? v[0] : 0.0f;
     }
 }
 

@@ -89,13 +89,13 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
             const long long group = base + (long long)s * q.teams + q.team;
             e0[s] = group * group_size + (long long)q.chunk * CHUNK;
             count[s] = chunk_count(q, group, groups, e0[s], numel);
-            load_chunk<DTYPE>(x, e0[s], x_vector && count[s] == CHUNK, count[s], v[s]);
+            load_chunk<DTYPE, true>(x, e0[s], x_vector && count[s] == CHUNK, count[s], v[s]);
         }
         // min and max with fminf / fmaxf (one instruction each, NaN ignored) and a NaN flag (torch.amin / amax
         // propagate NaN: a group holding one gets NaN for both, below). The short last group skips its missing
         // elements (the spec pads with copies of its last element, which leaves min and max unchanged).
-        // Missing elements stand in as the chunk's first (a select, not a branch); a thread with none contributes
-        // the identities.
+        // A short chunk's missing elements stand in as its first (load_chunk's element path pads them so: a whole
+        // chunk pays no select); a thread with none contributes the identities.
         bool nan[SLOTS];
 #pragma unroll
         for (int s = 0; s < SLOTS; ++s) {
@@ -104,10 +104,9 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
             nan[s] = false;
 #pragma unroll
             for (int j = 0; j < CHUNK; ++j) {
-                const float e = j < count[s] ? v[s][j] : v[s][0];
-                lo[s] = fminf(lo[s], e);
-                hi[s] = fmaxf(hi[s], e);
-                nan[s] = nan[s] || e != e;
+                lo[s] = fminf(lo[s], v[s][j]);
+                hi[s] = fmaxf(hi[s], v[s][j]);
+                nan[s] = nan[s] || v[s][j] != v[s][j];
             }
             if (count[s] == 0) {
                 lo[s] = __uint_as_float(0x7f800000u);
