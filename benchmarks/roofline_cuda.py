@@ -212,9 +212,12 @@ def main() -> None:
   statistics' rounding, the stores). At about 25 integer instructions an element the integer pipe alone bounds
   the encode near 2.5 elements per SM clock; the sweep's ablations (`--ablations`) measure each part's share.
   Changes since: the encode's clamp is branch-free (it had one branch an element, which kept ptxas from
-  interleaving a chunk's elements: 10-17% faster on the H200), and the decode of a group whose statistics are
-  finite stores without the per-element NaN tests (bfloat16: 4 instructions an element instead of about 7.5;
-  not yet timed on a GPU).
+  interleaving a chunk's elements: 10-17% faster on the H200). Not yet timed on a GPU (counts from nvdisasm,
+  sm_90, bfloat16, 4 bits): the noise hash's first xor-shift is done once a chunk (the quantize block 196
+  instructions per 8 elements, from 218); the clamp's cap is a float min, not an integer one; a short chunk's
+  padding moved into the load's element path, so a whole chunk's min/max pays no select (69 instructions from
+  the loads to the shuffles of two chunks, from 95); the decode of a group whose statistics are finite stores
+  without the per-element NaN tests (its bfloat16 rounding 4 instructions an element, from about 7.5).
 """, "command: `python benchmarks/roofline_cuda.py` (arithmetic, no GPU involved)", ""]
     text = "\n".join(lines)
     args.out.write_text(text)
