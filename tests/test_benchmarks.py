@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cuda_emulation.emulator import requires_gxx
+from tests.cuda_emulation.emulator import NVCC, requires_gxx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -360,7 +360,7 @@ def test_the_gpu_session_script_packs_its_results_and_times_the_compiled_torch_p
             if "bench_gpu.py" in line or "bench_torch_path" in line]
     assert [(r[r.index("--models") + 1], Path(r[r.index("--out") + 1]).name) for r in runs[:3]] == [
         ("resnet50", "gpu.md"), ("bert-base", "gpu_bert.md"), ("bert-base", "gpu_compiled.md")]
-    assert "compiled, 4-bit" in runs[2] and "--models" in runs[0] and runs[0][runs[0].index("--models") + 2] == "--configs"
+    assert "compiled, 4-bit" in runs[2] and runs[0][runs[0].index("--models") + 2] == "--configs"  # one model
     # the driver launch is checked first; every call launches through it while it holds, through CuPy's call after
     # it failed
     first = shlex.split(calls.read_text().splitlines()[1])  # after nvidia-smi's environment line
@@ -637,3 +637,35 @@ def test_bench_kernel_sweep_varies_one_knob_at_a_time_on_the_emulator(tmp_path):
     assert len(grids) == len(bench_kernel_sweep.DTYPES) * knobs
     assert grids[("bfloat16", "1", "256", "4")] == "1 x 96" and grids[("bfloat16", "1", "1024", "4")] == "1 x 128"
     assert all(float(r[6]) > 0 for r in rows)
+
+
+def _nvdisasm():
+    import kernel_sass
+
+    return kernel_sass.find_nvdisasm()
+
+
+@pytest.mark.toolchain
+@pytest.mark.skipif(NVCC is None or _nvdisasm() is None,
+                    reason="needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm) to list the kernels' SASS")
+def test_kernel_sass_finds_no_branch_per_element_in_the_encode(tmp_path):
+    """kernel_sass.py, the CPU proxy of the quantize kernels' issue cost, on nvcc's sm_90 code: every listed
+    instantiation found, within the 64 registers of 1024-thread blocks and without spills; the encode's quantize
+    block (one chunk of 8 elements) branches only per chunk (a branch an element serialised its elements on the
+    H200) and stays under 16 integer instructions an element (each issues at half the float rate)."""
+    import kernel_sass
+
+    out = tmp_path / "sass.md"
+    assert kernel_sass.main(["--out", str(out)]) == 0
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| ") and "---" not in line][1:]
+    listed = [f"{kind}_groups<{bits}, {dtype}>" for kind, bits, dtype in kernel_sass.INSTANTIATIONS]
+    assert [r[0] for r in rows] == listed
+    for r in rows:
+        assert int(r[1]) > 100 and 0 < int(r[9]) <= 64 and r[10] == "0", r
+        if r[0].startswith("encode"):
+            block, branches, integer = map(int, r[11].replace("(", "").replace(",", "").replace(")", "").split())
+            assert 8 * 10 < block < 8 * 30 and branches < 8 and integer < 8 * 16, r
+            assert 0 < int(r[12]) < 100, r  # two chunks' min, max and NaN tests: no select an element
+    with pytest.raises(ValueError, match="0 functions named _Z13encode_groupsILi3E"):
+        kernel_sass.lookup({}, "_Z13encode_groupsILi3E")
