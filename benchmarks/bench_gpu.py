@@ -438,13 +438,15 @@ class Runner:
         averages = profile.key_averages()
         kernel_us = sum(e.self_device_time_total for e in averages
                         if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+        intervals = [(e.time_range.start, e.time_range.end, e.name) for e in profile.events()
+                     if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
         slug = "_".join("".join(c if c.isalnum() else " " for c in f"{self.workload.name} {name}").split())
         self.profile_dir.mkdir(parents=True, exist_ok=True)
         tables = [averages.table(sort_by=key, row_limit=30) for key in
                   (("self_device_time_total", "self_cpu_time_total") if cuda else ("self_cpu_time_total",))]
         (self.profile_dir / f"profile_{slug}.txt").write_text(
             f"{self.workload.name}, {name}: one step under torch.profiler\n\n" + "\n".join(tables))
-        return {"kernel_ms": kernel_us / 1e3} if cuda else {}
+        return {"kernel_ms": kernel_us / 1e3, "device_idle": device_gaps(intervals)} if cuda and intervals else {}
 
     def saved_bytes(self, loss_fn) -> int:
         """Bytes the step's saved tensors hold uncompressed, counted by an ``L0`` compressor on one extra step."""
@@ -488,6 +490,27 @@ class Runner:
         if p1 <= p0:
             return None
         return b0 + (self.capacity_bytes / MiB - p0) * (b1 - b0) / (p1 - p0)
+
+
+def device_gaps(kernels: list[tuple[float, float, str]], top: int = 3) -> dict:
+    """Where a profiled step's device sat idle, from its kernels' ``(start µs, end µs, name)`` (any streams):
+    ``busy_ms`` (their union), ``span_ms`` (the first start to the last end), ``idle_ms`` (the difference) and the
+    ``top`` longest gaps as ``(ms, the kernel that ended before it, the kernel that started after it)``. A step
+    whose device idles waits for its host there."""
+    ordered = sorted(kernels)
+    start, end, last = ordered[0]
+    busy, gaps = 0.0, []
+    for s, e, name in ordered[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append(((s - end) / 1e3, last, name))
+            start, end, last = s, e, name
+        elif e > end:
+            end, last = e, name
+    busy += end - start
+    span = (end - ordered[0][0]) / 1e3
+    return {"busy_ms": busy / 1e3, "span_ms": span, "idle_ms": span - busy / 1e3,
+            "gaps": sorted(gaps, key=lambda g: -g[0])[:top]}
 
 
 def capacity(device: torch.device, held: int, fixed_mib: float | None) -> int | None:
@@ -665,6 +688,16 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
         lines += ["Where the stored bytes go (each compressed row's saved tensors grouped by codec, bits, dtype, or "
                   "the reason they were kept; the groups storing most first, MiB saved -> stored):", ""]
         lines += [f"- {r['model']}, {r['config']}: " + "; ".join(map(_stored_group, r["stored_by"])) for r in stored]
+        lines.append("")
+    idle = [r for r in rows if r.get("device_idle")]
+    if idle:
+        lines += ["Device idle in the profiled step (the union of its kernels against the span from the first one's "
+                  "start to the last one's end: where the device waits for the host; the longest gaps, between "
+                  "which kernels):", ""]
+        lines += [f"- {r['model']}, {r['config']}: {r['device_idle']['idle_ms']:.1f} ms idle of "
+                  f"{r['device_idle']['span_ms']:.1f}" + "".join(
+                      f"; {ms:.2f} ms after {before[:48]} before {after[:48]}"
+                      for ms, before, after in r["device_idle"]["gaps"]) for r in idle]
         lines.append("")
     lines += [f"Not run: {why}." for why in not_run]
     return "\n".join(lines).rstrip() + "\n"

@@ -269,6 +269,27 @@ def test_bench_gpu_reports_the_kernel_time_of_profiled_rows():
     assert "kernels ms" not in bench_gpu.report(rows, [], [], env, "cmd", args)
 
 
+def test_bench_gpu_finds_where_the_device_waits_in_a_profiled_step():
+    """device_gaps: the union of a step's kernels (overlapping ones on two streams counted once) against their span,
+    the idle time between, and the longest gaps with the kernels around them; the report lists them per row."""
+    import argparse
+
+    import bench_gpu
+
+    kernels = [(0.0, 100.0, "conv"), (50.0, 150.0, "encode"),  # two streams: busy 0-150
+               (1150.0, 1200.0, "bn"), (1200.0, 1300.0, "relu"), (1800.0, 2000.0, "decode"), (2010.0, 2020.0, "add")]
+    idle = bench_gpu.device_gaps(kernels, top=2)
+    assert idle["span_ms"] == 2.02 and math.isclose(idle["busy_ms"], 0.51) and math.isclose(idle["idle_ms"], 1.51)
+    assert idle["gaps"] == [(1.0, "encode", "bn"), (0.5, "relu", "decode")]
+    assert bench_gpu.device_gaps([(5.0, 9.0, "only")]) == {"busy_ms": 0.004, "span_ms": 0.004, "idle_ms": 0.0,
+                                                            "gaps": []}
+    row = {"model": "M", "size": 8, "config": "4-bit", "ratio": 4.0, "stored_mib": 1.0, "peak_mib": 2.0,
+           "step_ms": 3.0, "kernel_ms": 0.51, "device_idle": idle}
+    env = {"device": "GPU", "torch": "2", "cuda": "13", "cupy": "cupy 14", "codecs": "CuPy kernels"}
+    text = bench_gpu.report([row], [], [], env, "cmd", argparse.Namespace(repeats=5, warmup=2, memory_budget="x"))
+    assert "- M, 4-bit: 1.5 ms idle of 2.0; 1.00 ms after encode before bn; 0.50 ms after relu before decode" in text
+
+
 def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     """bench_gpu.py's compiled rows (named on the command line: each compiles the model; the peaks are
     tests/test_compiled_regions.py's): the 4-bit ones store compressed activations, in torch.compile's default mode
