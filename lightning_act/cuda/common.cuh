@@ -24,6 +24,7 @@
 #define CANONICAL_NAN_BF16 0x7fc0u
 #define CANONICAL_NAN_F64 0x7ff8000000000000ll
 #define TWO_POW_MINUS_24 5.9604644775390625e-08f
+#define FLOAT32_MAX 3.40282346638528859812e+38f
 
 // ---- counter-based RNG (rng.py) ----
 // mix32 after its first xor-shift (uniform24_chunk does that step once for a chunk's elements)

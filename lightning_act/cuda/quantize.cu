@@ -92,10 +92,10 @@ __device__ __noinline__ void encode_groups(const void* __restrict__ x, long long
             load_chunk<DTYPE, true>(x, e0[s], x_vector && count[s] == CHUNK, count[s], v[s]);
         }
         // min and max with fminf / fmaxf (one instruction each, NaN ignored) and a NaN flag (torch.amin / amax
-        // propagate NaN: a group holding one gets NaN for both, below). The short last group skips its missing
-        // elements (the spec pads with copies of its last element, which leaves min and max unchanged).
-        // A short chunk's missing elements stand in as its first (load_chunk's element path pads them so: a whole
-        // chunk pays no select); a thread with none contributes the identities.
+        // propagate NaN: a group holding one gets NaN for both, below). The spec pads the short last group with
+        // copies of its last element, which leave min and max unchanged; here a short chunk's missing elements
+        // stand in as its first (load_chunk's element path pads them so: a whole chunk pays no select), and a
+        // thread with none contributes the identities.
         bool nan[SLOTS];
 #pragma unroll
         for (int s = 0; s < SLOTS; ++s) {
@@ -299,7 +299,7 @@ __device__ __noinline__ void decode_groups(const unsigned char* __restrict__ pay
             // mn + q * step is NaN only when mn or step is NaN or infinite (q * step overflows to an infinity of
             // step's sign at most): a group of finite statistics stores without the per-element NaN tests
             const bool vector = out_vector && count[s] == CHUNK;
-            if (fabsf(mn[s]) <= 3.402823466e+38f && fabsf(step[s]) <= 3.402823466e+38f)
+            if (fabsf(mn[s]) <= FLOAT32_MAX && fabsf(step[s]) <= FLOAT32_MAX)
                 store_chunk<DTYPE, true>(out, e0[s], vector, count[s], v);
             else
                 store_chunk<DTYPE>(out, e0[s], vector, count[s], v);
