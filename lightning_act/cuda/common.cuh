@@ -57,16 +57,13 @@ __device__ __forceinline__ float uniform24_element(unsigned int chunk, int j) {
 // ---- 16-bit floats as raw bits, converted exactly like torch on CPU (NaN aside: canonical) ----
 __device__ __forceinline__ float bf16_to_float(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
 
-// round to nearest even (c10::BFloat16), for a value known not to be NaN
-__device__ __forceinline__ unsigned short float_to_bf16_not_nan(float f) {
-    const unsigned int u = __float_as_uint(f);
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// round to nearest even (c10::BFloat16); NaN -> the canonical NaN
+// round to nearest even (c10::BFloat16); NaN -> the canonical NaN (NOT_NAN: f is known not to be NaN, and the
+// test is left out)
+template <bool NOT_NAN = false>
 __device__ __forceinline__ unsigned short float_to_bf16(float f) {
-    if ((__float_as_uint(f) & 0x7fffffffu) > 0x7f800000u) return (unsigned short)CANONICAL_NAN_BF16;
-    return float_to_bf16_not_nan(f);
+    const unsigned int u = __float_as_uint(f);
+    if (!NOT_NAN && (u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)CANONICAL_NAN_BF16;
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 // torch.nextafter toward -inf / +inf (c10 BFloat16 nextafter); never called on NaN or on the target infinity
@@ -210,7 +207,8 @@ __device__ __forceinline__ void load_chunk(const void* __restrict__ x, long long
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < CHUNK; ++j) v[j] = j < count ? load_float(x, e0 + j, DTYPE) : PAD_FIRST && j ? v[0] : 0.0f;
+        for (int j = 0; j < CHUNK; ++j)
+            v[j] = j < count ? load_float(x, e0 + j, DTYPE) : PAD_FIRST && j > 0 ? v[0] : 0.0f;
     }
 }
 
@@ -246,14 +244,10 @@ __device__ __forceinline__ void store_chunk(void* __restrict__ out, long long e0
             unsigned int w[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                unsigned int a, b;
-                if (DTYPE == DTYPE_FLOAT16) {
-                    a = float_to_half<NOT_NAN>(v[2 * k]);
-                    b = float_to_half<NOT_NAN>(v[2 * k + 1]);
-                } else {
-                    a = NOT_NAN ? float_to_bf16_not_nan(v[2 * k]) : float_to_bf16(v[2 * k]);
-                    b = NOT_NAN ? float_to_bf16_not_nan(v[2 * k + 1]) : float_to_bf16(v[2 * k + 1]);
-                }
+                const unsigned int a = DTYPE == DTYPE_FLOAT16 ? float_to_half<NOT_NAN>(v[2 * k])
+                                                              : float_to_bf16<NOT_NAN>(v[2 * k]);
+                const unsigned int b = DTYPE == DTYPE_FLOAT16 ? float_to_half<NOT_NAN>(v[2 * k + 1])
+                                                              : float_to_bf16<NOT_NAN>(v[2 * k + 1]);
                 w[k] = a | (b << 16);
             }
             uint4 r;
