@@ -98,6 +98,8 @@ class Ablated:
 
     def __init__(self, runner: launcher.KernelRunner, text: str, name: str):
         self.runner, self.device_type = runner, runner.device_type
+        self._launches = {}  # (kernel, raw stream) -> (function, CuPy stream): no host work a launch can skip, so
+        # the launches of a short ablated kernel stay paced by the device, not by the host
         if self.device_type == "cuda":
             from lightning_act.cuda import require_cupy
 
@@ -115,9 +117,13 @@ class Ablated:
         if source != SOURCE:
             self.runner.launch(source, kernel, grid, block, args, shared_mem, device)
         elif self.device_type == "cuda":
-            stream = self._cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
-            self._module.get_function(kernel)(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem,
-                                              stream=stream)
+            raw = torch.cuda.current_stream(device).cuda_stream
+            found = self._launches.get((kernel, raw))
+            if found is None:
+                found = self._launches[(kernel, raw)] = (self._module.get_function(kernel),
+                                                         self._cupy.cuda.ExternalStream(raw, device.index))
+            function, stream = found
+            function(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem, stream=stream)
         else:
             self._module.launch(kernel, grid, block, args, shared_mem)
 

@@ -94,8 +94,9 @@ def disassemble(arch: str, nvcc: str, nvdisasm: str) -> tuple[dict[str, list[str
     return functions, built.stderr
 
 
-def lookup(functions: dict[str, list[str]], prefix: str) -> list[str]:
-    matches = [ops for name, ops in functions.items() if name.startswith(prefix)]
+def lookup(functions: dict[str, list[str]], prefix: str) -> tuple[str, list[str]]:
+    """``(name, opcodes)`` of the one function whose name starts with ``prefix``."""
+    matches = [(name, ops) for name, ops in functions.items() if name.startswith(prefix)]
     if len(matches) != 1:
         raise ValueError(f"{len(matches)} functions named {prefix}...; expected one (has quantize.cu changed?)")
     return matches[0]
@@ -129,9 +130,7 @@ def measure(arch: str, nvcc: str, nvdisasm: str) -> list[dict]:
     used = resources(report)
     rows = []
     for kind, bits, dtype in INSTANTIATIONS:
-        prefix = function_name(kind, bits, dtype)
-        ops = lookup(functions, prefix)
-        name = next(n for n in functions if n.startswith(prefix))
+        name, ops = lookup(functions, function_name(kind, bits, dtype))
         kernel = "quantize_" + kind
         row = {"function": f"{kind}_groups<{bits}, {dtype}>", "instructions": len(ops), **classify(ops),
                "registers": used.get(kernel, (0, 0))[0], "spill_bytes": used.get(name, (0, 0))[1]}
