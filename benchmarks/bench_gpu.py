@@ -55,10 +55,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import gc
 import importlib.metadata
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -346,6 +349,47 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class HostEvents:
+    """What the host did in the timed steps besides the step's own work, each a wait the device cannot hide: the
+    garbage collector's collections (how many, ms in all) and, on CUDA, the caching allocator's device allocations,
+    frees, retries and all-stream synchronisations (``torch.cuda.memory_stats`` counters: each a driver call that
+    can wait for the device). ``summary`` has them per step."""
+
+    ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.collections, self.gc_seconds, self._collecting = 0, 0.0, 0.0
+        self.allocator: dict[str, int] = {}
+
+    def _counters(self) -> dict[str, int]:
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {key: stats.get(key, 0) for key in self.ALLOCATOR}
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._collecting = time.perf_counter()
+        else:
+            self.collections += 1
+            self.gc_seconds += time.perf_counter() - self._collecting
+
+    def __enter__(self) -> "HostEvents":
+        self._before = self._counters()
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+        after = self._counters()
+        self.allocator = {key: after[key] - self._before[key] for key in after}
+
+    def summary(self, steps: int) -> dict:
+        return {"steps": steps, "gc_collections": self.collections, "gc_ms": 1e3 * self.gc_seconds,
+                **self.allocator}
+
+
 class Runner:
     """Trains ``workload`` under each configuration in turn (same model, one AdamW) and measures it."""
 
@@ -390,12 +434,14 @@ class Runner:
                 if i == 0:  # a compiled configuration's compilation
                     row["first_step_s"] = time.perf_counter() - started
             seconds = []
-            for _ in range(self.repeats):
-                _synchronize(self.device)
-                started = time.perf_counter()
-                self.step(prepared, loss_fn)
-                _synchronize(self.device)
-                seconds.append(time.perf_counter() - started)
+            with HostEvents(self.device) as events:
+                for _ in range(self.repeats):
+                    _synchronize(self.device)
+                    started = time.perf_counter()
+                    self.step(prepared, loss_fn)
+                    _synchronize(self.device)
+                    seconds.append(time.perf_counter() - started)
+            row["host_events"] = events.summary(self.repeats)
             row["step_ms"] = 1e3 * statistics.median(seconds)
             row["step_ms_range"] = (1e3 * min(seconds), 1e3 * max(seconds))  # the host's step-to-step spread
             if self.profile_dir is not None:
@@ -446,6 +492,13 @@ class Runner:
                   (("self_device_time_total", "self_cpu_time_total") if cuda else ("self_cpu_time_total",))]
         (self.profile_dir / f"profile_{slug}.txt").write_text(
             f"{self.workload.name}, {name}: one step under torch.profiler\n\n" + "\n".join(tables))
+        # and one under cProfile: the host's Python by function, and the calls that block it (their own time)
+        host = cProfile.Profile()
+        host.runcall(lambda: (self.step(prepared, loss_fn), _synchronize(self.device)))
+        listing = io.StringIO()
+        pstats.Stats(host, stream=listing).sort_stats("tottime").print_stats(40)
+        (self.profile_dir / f"profile_{slug}_host.txt").write_text(
+            f"{self.workload.name}, {name}: one step under cProfile (its own overhead included)\n{listing.getvalue()}")
         return {"kernel_ms": kernel_us / 1e3, "device_idle": device_gaps(intervals)} if cuda and intervals else {}
 
     def saved_bytes(self, loss_fn) -> int:
@@ -698,6 +751,15 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
                   f"{r['device_idle']['span_ms']:.1f}" + "".join(
                       f"; {ms:.2f} ms after {before[:48]} before {after[:48]}"
                       for ms, before, after in r["device_idle"]["gaps"]) for r in idle]
+        lines.append("")
+    events = [r for r in rows if r.get("host_events")]
+    if events:
+        lines += ["Host events in the timed steps, per step (the garbage collector's collections and their ms; the "
+                  "CUDA caching allocator's device allocations, frees, retries and all-stream synchronisations, "
+                  "each a driver call that can wait for the device):", ""]
+        lines += [f"- {r['model']}, {r['config']}: " + ", ".join(
+            f"{value / r['host_events']['steps']:.1f} {key}" for key, value in r["host_events"].items()
+            if key != "steps") for r in events]
         lines.append("")
     lines += [f"Not run: {why}." for why in not_run]
     return "\n".join(lines).rstrip() + "\n"

@@ -2,6 +2,7 @@
 max-batch search on a synthetic peak curve."""
 import importlib.util
 import functools
+import gc
 import json
 import math
 import subprocess
@@ -290,6 +291,31 @@ def test_bench_gpu_finds_where_the_device_waits_in_a_profiled_step():
     assert "- M, 4-bit: 1.5 ms idle of 2.0; 1.00 ms after encode before bn; 0.50 ms after relu before decode" in text
 
 
+def test_bench_gpu_counts_the_host_events_of_timed_steps():
+    """HostEvents: the garbage collector's collections inside it, with their time, per step in the report (on
+    CUDA the allocator's device calls too); its callback is gone after it, even when the body raises."""
+    import argparse
+
+    import bench_gpu
+
+    callbacks = list(gc.callbacks)
+    with bench_gpu.HostEvents(torch.device("cpu")) as events:
+        gc.collect()
+        gc.collect(1)
+    assert gc.callbacks == callbacks
+    summary = events.summary(steps=2)
+    assert summary["steps"] == 2 and summary["gc_collections"] == 2 and 0 < summary["gc_ms"] < 10_000
+    assert set(summary) == {"steps", "gc_collections", "gc_ms"}  # no allocator counters off CUDA
+    with pytest.raises(RuntimeError, match="step failed"), bench_gpu.HostEvents(torch.device("cpu")):
+        raise RuntimeError("step failed")
+    assert gc.callbacks == callbacks
+    row = {"model": "M", "size": 8, "config": "4-bit", "ratio": 4.0, "stored_mib": 1.0, "peak_mib": 2.0,
+           "step_ms": 3.0, "host_events": {"steps": 4, "gc_collections": 2, "gc_ms": 3.0, "num_device_alloc": 8}}
+    env = {"device": "GPU", "torch": "2", "cuda": "13", "cupy": "cupy 14", "codecs": "CuPy kernels"}
+    text = bench_gpu.report([row], [], [], env, "cmd", argparse.Namespace(repeats=4, warmup=2, memory_budget="x"))
+    assert "- M, 4-bit: 0.5 gc_collections, 0.8 gc_ms, 2.0 num_device_alloc" in text
+
+
 def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     """bench_gpu.py's compiled rows (named on the command line: each compiles the model; the peaks are
     tests/test_compiled_regions.py's): the 4-bit ones store compressed activations, in torch.compile's default mode
@@ -311,7 +337,10 @@ def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
     profiles = {p.name: p.read_text() for p in (tmp_path / "profiles").iterdir()}
     baseline, compressed = (next(text for name, text in profiles.items() if name.endswith(f"{suffix}.txt"))
                             for suffix in ("_baseline", "_compiled_4_bit"))
-    assert len(profiles) == 4 and "aten::" in baseline and "lightning_act::dequantize" not in baseline
+    # and one more step under cProfile per configuration: the host's Python by its own time
+    host = [text for name, text in profiles.items() if name.endswith("_host.txt")]
+    assert len(host) == 4 and all("under cProfile" in text and "function calls" in text for text in host)
+    assert len(profiles) == 8 and "aten::" in baseline and "lightning_act::dequantize" not in baseline
     assert "lightning_act::dequantize" in compressed
     assert all("kernel_ms" not in r for r in rows.values())  # no device here: no kernel time, no column
     assert "kernels ms" not in out.read_text()
