@@ -29,7 +29,8 @@ chunked attention, HF only); the peers torch checkpointing (``gradient_checkpoin
 (``lightning_act.compiled_regions``: by the CuPy kernel ops, or ``4-bit traced``: by the encode traced into the graphs
 and the ``backend="compile"`` decode, in the default mode or ``reduce-overhead``) and with torch checkpointing; the memory-budget mode
 (``ACTConfig(memory_budget=...)``, planned by ``lightning_act.adapt.memory_budget.MemoryBudget``) at torch
-checkpointing's peak unless ``--memory-budget`` says.
+checkpointing's peak unless ``--memory-budget`` says. Measured only when named, to split a compressed step's host
+time: 4-bit with no kernels launched (``NoKernels``), hooks that do nothing, 4-bit without op tracking.
 
 Figures per row:
 
@@ -79,6 +80,7 @@ from torch.profiler import ProfilerActivity
 import lightning_act as act
 from lightning_act.adapt import AutoPrecision
 from lightning_act.adapt.memory_budget import MemoryBudget, budget_units
+from lightning_act.cuda import launcher
 from lightning_act.checkpoint import checkpoint as compressed_checkpoint
 from lightning_act.models import gnn, resnet8, resnet50
 from lightning_act.profiling import measure_step_memory
@@ -109,6 +111,30 @@ class Method:
     hf_only: bool = False
     compiled: bool = False
     compile_mode: str | None = None
+    kernels: bool = True  # False: the kernel path's launches skipped (NoKernels), the host path alone
+    empty_hooks: bool = False  # saved_tensors_hooks that return what they get: what any hook costs at least
+    diagnostic: bool = False  # not a configuration a user runs: measured when named
+
+
+class NoKernels:
+    """A kernel runner that launches nothing: the codecs' kernel path on ``device_type`` tensors runs its host
+    side (plans, allocations, argument blocks, records) and no kernel, so a step's host time is seen without the
+    device time of the kernels (their outputs are left unwritten)."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def multiprocessors(self, device: torch.device) -> int:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).multi_processor_count
+        return launcher.DEFAULT_MULTIPROCESSORS
+
+    def launch(self, *args) -> None:
+        pass
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 METHODS = {
@@ -140,10 +166,15 @@ METHODS = {
                                                        compiled=True, compile_mode="reduce-overhead"),
     "compiled, torch checkpoint": Method(checkpoint="torch", compiled=True),
     "memory budget": Method(budget=True),
+    # where a compressed step's host time goes: without the compressor's kernels, with hooks that do nothing, and
+    # without op tracking (no masks or op rules)
+    "4-bit, no kernels": Method(act.ACTConfig(bits=4, adaptive=False), kernels=False, diagnostic=True),
+    "empty hooks": Method(empty_hooks=True, diagnostic=True),
+    "4-bit, no op tracking": Method(act.ACTConfig(bits=4, adaptive=False, compress_masks=False), diagnostic=True),
 }
 # what a run measures unless --configs says: the compiled configurations compile the model first (minutes on a
 # GPU for BERT-base), so they run when named (benchmarks/gpu_session.sh names them)
-DEFAULT_CONFIGS = tuple(name for name, method in METHODS.items() if not method.compiled)
+DEFAULT_CONFIGS = tuple(name for name, method in METHODS.items() if not (method.compiled or method.diagnostic))
 # what the CB levels warn about a model without HF layers: the per-block checkpoint below is what it asks for
 _CB_WITHOUT_HF = r"lightning_act: opt_level='CB[12]' checkpoints HuggingFace layers"
 
@@ -230,6 +261,10 @@ class Prepared:
                 stack.enter_context(self.compressor.compress())
             if self.method.save_on_cpu:
                 stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda"))
+            if self.method.empty_hooks:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
+            if not self.method.kernels:
+                stack.enter_context(launcher.use_runner(NoKernels(self.device.type)))
             loss = loss_fn()
         loss.backward()
 
@@ -434,14 +469,17 @@ class Runner:
                 if i == 0:  # a compiled configuration's compilation
                     row["first_step_s"] = time.perf_counter() - started
             seconds = []
+            host = []  # the thread's CPU time issuing each step, before it waits for the device
             with HostEvents(self.device) as events:
                 for _ in range(self.repeats):
                     _synchronize(self.device)
-                    started = time.perf_counter()
+                    started, issuing = time.perf_counter(), time.thread_time()
                     self.step(prepared, loss_fn)
+                    host.append(time.thread_time() - issuing)
                     _synchronize(self.device)
                     seconds.append(time.perf_counter() - started)
-            row["host_events"] = events.summary(self.repeats)
+            row["host_events"] = {"host_ms": 1e3 * sum(host),
+                                  **events.summary(self.repeats)}
             row["step_ms"] = 1e3 * statistics.median(seconds)
             row["step_ms_range"] = (1e3 * min(seconds), 1e3 * max(seconds))  # the host's step-to-step spread
             if self.profile_dir is not None:
@@ -754,8 +792,8 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
         lines.append("")
     events = [r for r in rows if r.get("host_events")]
     if events:
-        lines += ["Host events in the timed steps, per step (the garbage collector's collections and their ms; the "
-                  "CUDA caching allocator's device allocations, frees, retries and all-stream synchronisations, "
+        lines += ["Host in the timed steps, per step (host_ms: the main thread's CPU time issuing the step, before "
+                  "it waits for the device; the garbage collector's collections and their ms; the CUDA caching allocator's device allocations, frees, retries and all-stream synchronisations, "
                   "each a driver call that can wait for the device):", ""]
         lines += [f"- {r['model']}, {r['config']}: " + ", ".join(
             f"{value / r['host_events']['steps']:.1f} {key}" for key, value in r["host_events"].items()

@@ -132,6 +132,9 @@ class Ablated:
             self._module.launch(kernel, grid, block, args, shared_mem)
 
 
+SLEEP_CYCLES_PER_CALL = 200_000
+
+
 class Timer:
     """Seconds per call of ``fn``: CUDA events around ``calls`` calls on a GPU (the median of 3 such rounds), the
     wall clock elsewhere."""
@@ -145,6 +148,10 @@ class Timer:
         for _ in range(3):
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                # the device sleeps while the host queues the round (up to 100 µs a call at 2 GHz): the events then
+                # time the kernels back to back, not a host slower than them (run 6's host made every
+                # ablated encode look slower than the whole one)
+                torch.cuda._sleep(self.calls * SLEEP_CYCLES_PER_CALL)
                 start.record()
                 for _ in range(self.calls):
                     fn()
