@@ -1,15 +1,17 @@
 """Lossless few-bit forms of saved tensors whose backward reads little (DIVISION appendix J): ReLU signs,
 dropout masks and max-pool argmax indices.
 
-How the engine learns which op saved a tensor: a ``TorchFunctionMode`` (``lightning_act.optrack``) records
-the torch function call that is running while autograd packs its saved tensors, and the rules registered
-here (``op_rules.register_op_rule``) map those functions to the codecs below. Chosen over the
+How the engine learns which op saved a tensor: a ``FunctionTracker`` (``lightning_act.optrack``) records
+the tracked torch function call that is running while autograd packs its saved tensors, and the rules
+registered here (``op_rules.register_op_rule``) map those functions to the codecs below. Chosen over the
 alternatives because a saved tensor's ``grad_fn`` cannot tell a ReLU saving its output from the next layer
 saving the same tensor as input, and replacing modules misses functional calls (``F.relu``, ``x.relu()``)
-and rewrites user models; the mode sees ``nn.ReLU``, ``F.relu``, ``torch.relu`` and ``Tensor.relu_`` alike
-(the outermost call is reported: ``nn.ReLU`` shows up as ``F.relu``), with the call's arguments (the
-max-pool geometry). The engine keys its de-duplication by codec, so a ReLU output the next layer also
-saves is stored twice: 1 bit for the ReLU, the values for the layer.
+and rewrites user models; the tracker wraps the functions where code looks them up, so it sees ``nn.ReLU``,
+``F.relu``, ``torch.relu`` and ``Tensor.relu_`` alike (the outermost call is reported: ``nn.ReLU`` shows up as
+``F.relu``), with the call's arguments (the max-pool geometry); a builtin held in a variable since before the
+forward (``act = torch.relu``) runs untracked, its saves getting the default codec. The engine keys its
+de-duplication by codec, so a ReLU output the next layer also saves is stored twice: 1 bit for the ReLU,
+the values for the layer.
 
 - ``positive_mask``: ``x > 0`` at 1 bit, decoded as 1/0. ReLU saves its output and its backward reads only
   ``result > 0`` (leaky ReLU reads ``input > 0`` or ``result > 0``), so gradients are bit-identical.

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..optrack import FunctionCall
+from ..optrack import FunctionCall, original, patch_sites
 from .base import Codec
 
 OpRule = Callable[[torch.Tensor, FunctionCall], Optional[Codec]]
@@ -21,7 +21,14 @@ OP_RULES: dict[Callable, OpRule] = {}
 
 
 def register_op_rule(functions: tuple[Callable, ...], rule: OpRule) -> None:
-    """Let ``rule`` choose the codec of every tensor saved while one of ``functions`` runs."""
+    """Let ``rule`` choose the codec of every tensor saved while one of ``functions`` runs. Each must be an attribute
+    of ``torch``, ``torch.nn.functional``, ``torch.Tensor`` or its own module: the tracker wraps it there."""
+    functions = tuple(original(fn) for fn in functions)
+    for fn in functions:
+        if not patch_sites(fn):
+            raise ValueError(f"register_op_rule: {fn!r} is not an attribute of torch, torch.nn.functional, "
+                             f"torch.Tensor or its module {getattr(fn, '__module__', None)!r}; expected a function "
+                             "that code looks up there")
     for fn in functions:
         OP_RULES[fn] = rule
 
