@@ -15,7 +15,10 @@ Each configuration runs twice: at BERT-base width (the issue's proxy) and at wid
 and ops ("narrow", ``min_numel`` lowered to 256 so the same kinds of tensors are compressed). On a CPU the wide
 model's compute streams 340 MB of weights through the caches between two hooks, so every hook starts with cold
 caches (PyTorch's and the compressor's code and data evicted); a GPU host keeps the weights on the device, so
-the narrow figure, whose caches stay warm, is the closer proxy of a GPU's host. Both are reported.
+the narrow figure, whose caches stay warm, is the closer proxy of a GPU's host. Both are reported, and a third
+model, ResNet-50 on a 2 x 32² batch (``MODELS``): a CNN's ops and saved tensors (run 6 on an H200's host measured
+op tracking at 10 ms of its forward). On that host the same Python ran 2-3 times slower than on this project's
+CPU (README, "On a GPU", sixth run): these figures rank changes, they do not bound the GPU step.
 
 Times are the thread's CPU time (``time.thread_time``), not wall time: on a shared machine the wall clock also
 counts the time other processes held the CPU. The hooks' clock reads its own cost too (two clock reads per hook
@@ -68,6 +71,21 @@ class NoOpRunner:
 
 
 WIDTHS = {"BERT-base": (768, 4096), "narrow": (96, 256)}  # model -> (hidden size, the compressor's min_numel)
+# ResNet-50 (its 53 convolutions, batch norms and ReLUs, and a max pool) on a 2 x 32² batch: a CNN's saved tensors
+# and ops per step (481 and some 300), with min_numel lowered as for the narrow BERT; run 6 on an H200's host put
+# op tracking at 10 ms of its forward, which the BERT rows did not show
+MODELS = (*WIDTHS, "ResNet-50")
+RESNET_MIN_NUMEL = 256
+
+
+def resnet_50(batch: int = 2, size: int = 32):
+    """ResNet-50 (``lightning_act.models.resnet50``, 10 classes), one fixed batch; ``(model, loss_fn)``."""
+    from lightning_act.models import resnet50
+
+    torch.manual_seed(0)
+    model = resnet50(num_classes=10).train()
+    x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+    return model, lambda: torch.nn.functional.cross_entropy(model(x), y)
 
 
 def bert_base(layers: int = 12, seq: int = 8, batch: int = 1, hidden: int = 768, device: str | torch.device = "cpu"):
@@ -126,8 +144,11 @@ def plain_and_compressed_steps(compressor: act.ActivationCompressor, loss_fn):
 
 
 def measure(name: str, options: dict, layers: int, repeats: int, width: str = "BERT-base") -> dict:
-    hidden, min_numel = WIDTHS[width]
-    model, loss_fn = bert_base(layers, hidden=hidden)
+    if width == "ResNet-50":
+        (model, loss_fn), min_numel = resnet_50(), RESNET_MIN_NUMEL
+    else:
+        hidden, min_numel = WIDTHS[width]
+        model, loss_fn = bert_base(layers, hidden=hidden)
     runner = NoOpRunner()
     with use_runner(runner):  # backend="cupy" needs CuPy unless a runner stands in
         compressor = act.ActivationCompressor(model, act.ACTConfig(backend="cupy", min_numel=min_numel, **options))
@@ -238,7 +259,7 @@ def comparison_table(before: list[list[dict]], after: list[list[dict]]) -> str:
 def run(quick: bool = False, repeats: int = 15) -> list[dict]:
     layers, repeats = (2, 3) if quick else (12, repeats)
     configs = dict(list(CONFIGS.items())[:2]) if quick else CONFIGS
-    return [measure(name, options, layers, repeats, width) for width in WIDTHS for name, options in configs.items()]
+    return [measure(name, options, layers, repeats, width) for width in MODELS for name, options in configs.items()]
 
 
 def _child(package_root: Path | None, quick: bool, repeats: int) -> list[dict]:
@@ -267,7 +288,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(run(args.quick, args.repeats)))
         return
-    header = (f"{machine()}; BERT-base shape, batch 1 x 8 tokens, no-op kernels; thread CPU time, medians\n\n"
+    header = (f"{machine()}; BERT-base shape, batch 1 x 8 tokens, and ResNet-50 at 2 x 32², no-op kernels; thread "
+              "CPU time, medians\n\n"
               f"Command: `python benchmarks/bench_host_overhead.py {' '.join(sys.argv[1:])}`\n")
     with MachineLoad() as load:
         if args.baseline is None:

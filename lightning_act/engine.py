@@ -203,7 +203,7 @@ def _cast_again(parameter: torch.Tensor, t: torch.Tensor) -> "_Saved":
     """What autograd holds for ``t``, a cast of ``parameter`` (or a view of one): the parameter, cast again at unpack
     into ``t``'s view geometry, its version checked."""
     return _new_saved((parameter, parameter._version, t.shape, None, parameter, None, _PARAMETER_CASTS[t.dtype],
-                       (t.shape, t.stride(), t.storage_offset()), None, 0))
+                       (t.shape, t.stride(), t.storage_offset()), None, 0, None))
 
 
 @functools.cache
@@ -244,6 +244,20 @@ def _version_alias(t: torch.Tensor) -> torch.Tensor:
     return alias
 
 
+class _SharedDecode:
+    """One compressed form's decode, shared by the saved tensors of a step that stand for it (a transformer's
+    query, key and value projections save one input): ``readers`` unpacks are still to come; the first one to
+    decode keeps the tensor here while others will read it, and the last drops it. As in a step without
+    compression, where they would all read the one saved tensor, its readers get the same tensor object. An
+    unpack after the count ran out (a second backward with ``retain_graph``) decodes again."""
+
+    __slots__ = ("readers", "tensor")
+
+    def __init__(self) -> None:
+        self.readers = 1
+        self.tensor: torch.Tensor | None = None
+
+
 class _Saved(NamedTuple):
     """What autograd holds for one saved tensor between forward and backward (a named tuple: one is built per saved
     tensor, by :data:`_new_saved` without a Python frame).
@@ -262,6 +276,7 @@ class _Saved(NamedTuple):
     geometry: tuple | None = None  # (size, stride, storage_offset) of a view into a compressed storage
     side: SideStreamEncoder | None = None
     ticket: int = 0
+    shared: _SharedDecode | None = None  # of a compressed form: its decode, shared with the duplicates of it
 
     def version_error(self) -> None:
         raise RuntimeError(
@@ -271,7 +286,7 @@ class _Saved(NamedTuple):
         )
 
 
-# Built from a tuple of all ten (or all twelve) fields in the hot path: tuple.__new__ runs no Python frame.
+# Built from a tuple of all eleven (or all twelve) fields in the hot path: tuple.__new__ runs no Python frame.
 _new_saved = functools.partial(tuple.__new__, _Saved)
 _new_record = functools.partial(tuple.__new__, TensorRecord)
 
@@ -628,7 +643,7 @@ class ActivationCompressor:
         shape = t.shape
         step.records.append(_new_record((index, shape, t.dtype, KEPT, "none", 8.0 * t.element_size(), nbytes, nbytes,
                                          reason, step.phase, False, None)))
-        return _new_saved((t if watch else None, t._version, shape, t, None, None, None, None, None, 0))
+        return _new_saved((t if watch else None, t._version, shape, t, None, None, None, None, None, 0, None))
 
     def _pack(self, step: "_Step", t: torch.Tensor) -> _Saved:
         # The hot path (every saved tensor): attribute reads and identity tests first, each check once, one table
@@ -655,7 +670,7 @@ class ActivationCompressor:
                 # copy lives only as long as the op that made it (BERT-base: about 160 MiB of bf16 weights)
                 torch.clear_autocast_cache()
                 return _cast_again(parameter, t)
-            return _new_saved((t, version, shape, t, None, None, None, None, None, 0))
+            return _new_saved((t, version, shape, t, None, None, None, None, None, 0, None))
         if fn is None and step.tracker is not None and not t.requires_grad and (
                 parameter := _frozen_weight_cast(t, step.tracker.current, step.own_storages)) is not None:
             records.append(_new_record((index, shape, dtype, PARAMETER, "none", 8.0 * t.element_size(), 0, 0, "",
@@ -701,9 +716,12 @@ class ActivationCompressor:
                 records.append(_new_record((index, shape, dtype, DUPLICATE, name or "none", 0.0, copied, 0,
                                             "autocast copy" if copied else "", step.phase, False, None)))
                 if first.tensor is not None:
-                    return _new_saved((t, version, shape, t, None, None, None, None, None, 0))
+                    return _new_saved((t, version, shape, t, None, None, None, None, None, 0, None))
+                shared = first.shared
+                if shared is not None:
+                    shared.readers += 1
                 return _new_saved((_version_alias(t), version, shape, None, first.packed, first.swapped, first.codec,
-                               geometry, first.side, first.ticket))
+                                   geometry, first.side, first.ticket, shared))
             original = 0  # the same range under another codec: the step's original bytes hold it once
         else:
             entry = None
@@ -727,7 +745,7 @@ class ActivationCompressor:
             if codec.shrinks_later and packed is not None:
                 packed.on_resize = functools.partial(_record_resize, records, record)
             saved = _new_saved((_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side,
-                                ticket))
+                                ticket, _SharedDecode()))
         if entry is None:  # a kept tensor holds its storage alive; else a weak reference tells a freed one
             stored[key] = [None if saved.tensor is not None else _StorageRef(owner), {name: saved}]
         else:
@@ -787,9 +805,19 @@ class ActivationCompressor:
             saved.version_error()
         if saved.tensor is not None:
             return saved.tensor
-        packed = saved.packed if saved.packed is not None else saved.swapped.fetch()
-        # in the shape of what was encoded: the tensor, or its storage (flat)
-        out = saved.codec.decode(packed) if saved.side is None else saved.side.decode(saved.codec, packed, saved.ticket)
+        shared = saved.shared
+        out = shared.tensor if shared is not None else None
+        if out is None:
+            packed = saved.packed if saved.packed is not None else saved.swapped.fetch()
+            # in the shape of what was encoded: the tensor, or its storage (flat)
+            out = saved.codec.decode(packed) if saved.side is None else \
+                saved.side.decode(saved.codec, packed, saved.ticket)
+            if shared is not None and shared.readers > 1:
+                shared.tensor = out
+        if shared is not None:
+            shared.readers -= 1
+            if shared.readers <= 0:
+                shared.tensor = None
         if saved.geometry is not None:
             size, stride, offset = saved.geometry
             return out.as_strided(size, stride, offset)

@@ -167,7 +167,8 @@ def test_host_overhead_quick_mode_measures_the_cuda_path_with_no_op_kernels():
 
     rows = bench_host_overhead.run(quick=True)
     configs = list(bench_host_overhead.CONFIGS)[:2]
-    assert [(r["model"], r["config"]) for r in rows] == [(m, c) for m in bench_host_overhead.WIDTHS for c in configs]
+    assert [(r["model"], r["config"]) for r in rows] == [(m, c) for m in bench_host_overhead.MODELS for c in configs]
+    assert bench_host_overhead.MODELS == ("BERT-base", "narrow", "ResNet-50")
     for r in rows:
         assert r["saved"] > r["compressed"] > 0 and r["launches_per_step"] > 0
         assert all(math.isfinite(r[k]) for k in ("step_us_per_saved", "hook_us_per_saved", "plain_ms"))
