@@ -87,16 +87,17 @@ class _Wrappers:
         # (owner, name) -> (the wrapper set there, what was there: the attribute of owner's own dict, or None)
         self.installed: dict[tuple[object, str], tuple[Callable, Any]] = {}
         self.functions: set[Callable] = set()
-        self._sites: dict[Callable, list[tuple[object, str]]] = {}
+        # per function, made once: where it is looked up, and its wrapper (a step installs them, not builds them)
+        self._sites: dict[Callable, tuple[list[tuple[object, str]], Callable]] = {}
 
     def enter(self, functions: Iterable[Callable]) -> None:
         with self.lock:
             self.active += 1
             for func in set(functions) - self.functions:  # a rule registered since: wrapped from now on
-                sites = self._sites.get(func)
-                if sites is None:
-                    sites = self._sites[func] = patch_sites(func)
-                wrapper = _wrapper(func)
+                found = self._sites.get(func)
+                if found is None:
+                    found = self._sites[func] = (patch_sites(func), _wrapper(func))
+                sites, wrapper = found
                 for owner, name in sites:
                     own = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name)
                     self.installed[(owner, name)] = (wrapper, own)

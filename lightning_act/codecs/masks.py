@@ -260,23 +260,32 @@ class MaxPoolIndexCodec(Codec):
         self.window = math.prod(self.kernel_size)
         self.bits = (self.window - 1).bit_length()
         self._tables: dict[torch.device, torch.Tensor] = {}
+        self._starts: dict[torch.device, list[torch.Tensor]] = {}
         # window-local offsets in the narrowest dtype that holds them: the bit-plane passes move a byte each
         self._offset_dtype = torch.uint8 if self.bits <= 8 else torch.int32
+        # the index arithmetic in int32 where an input plane's positions fit (half the memory and bytes of int64)
+        self._coord_dtype = torch.int32 if math.prod(self.input_size) < 2 ** 31 else torch.int64
 
     def _window_starts(self, device: torch.device) -> list[torch.Tensor]:
-        """Per output position (row-major over ``output_size``), the first input coordinate of its window."""
-        positions = torch.arange(math.prod(self.output_size), device=device)
-        return [o * s - p for o, s, p in zip(_unravel(positions, self.output_size), self.stride, self.padding)]
+        """Per output position (row-major over ``output_size``), the first input coordinate of its window (made on
+        the device once)."""
+        starts = self._starts.get(device)
+        if starts is None:
+            positions = torch.arange(math.prod(self.output_size), dtype=self._coord_dtype, device=device)
+            starts = self._starts[device] = [o * s - p for o, s, p in zip(
+                _unravel(positions, self.output_size), self.stride, self.padding)]
+        return starts
 
     def _planes_per_chunk(self, device: torch.device) -> int:
         """Whole output planes per chunk (at least one), a multiple of the planes that fill whole bytes of a
         bit-plane, so every chunk's bits start on a byte. On CPU an eighth of the float codecs' chunk (the index
-        arithmetic keeps several int64 temporaries of a chunk alive at once), elsewhere half of it: a GPU runs each
-        chunk's ops as launches the host waits on (ResNet-50's 128 x 64 x 56 x 56 indices took 49 chunks of
-        about 45 launches each way, 140 ms of host time a step on an H100's host)."""
+        arithmetic keeps several temporaries of a chunk alive at once), elsewhere all of it, in int32 (as much
+        memory as half a chunk in int64): a GPU runs each chunk's ops as launches the host waits on (ResNet-50's 128
+        x 64 x 56 x 56 indices took 49 chunks of about 45 launches each way, 140 ms of host time a step on an
+        H100's host; 13 chunks of about 20 in run 6, now 7)."""
         per_plane = math.prod(self.output_size)
         align = 8 // math.gcd(per_plane, 8)
-        share = 8 if device.type == "cpu" else 2
+        share = 8 if device.type == "cpu" else (1 if self._coord_dtype == torch.int32 else 2)
         return align * max(1, chunk_elements(device) // share // (per_plane * align))
 
     def _plane_tables(self, device: torch.device) -> torch.Tensor:
@@ -301,7 +310,7 @@ class MaxPoolIndexCodec(Codec):
         planes, chunk = n // per_plane, self._planes_per_chunk(device)
         codes = packed = None
         for p0, p1 in spans(planes, chunk):
-            index = _plane_rows(x, p0, p1, per_plane, len(self.input_size))
+            index = _plane_rows(x, p0, p1, per_plane, len(self.input_size)).to(self._coord_dtype)
             offsets = [c - start for c, start in zip(_unravel(index, self.input_size), starts)]
             taps = [off if d == 1 else off // d for off, d in zip(offsets, self.dilation)]
             for off, d, t, k in zip(offsets, self.dilation, taps, self.kernel_size):
@@ -341,8 +350,8 @@ class MaxPoolIndexCodec(Codec):
                 bits = torch.index_select(tables[b], 0, bit_planes[b, bytes_].int()).view(-1)
                 local = bits if local is None else local.bitwise_or_(bits)
             if local is None:  # a window of one element: every offset is 0
-                local = torch.zeros(e1 - e0, dtype=torch.int64, device=device)
-            local = local[: e1 - e0].long()
+                local = torch.zeros(e1 - e0, dtype=self._coord_dtype, device=device)
+            local = local[: e1 - e0].to(self._coord_dtype)
             taps = _unravel(local.view(-1, per_plane), self.kernel_size)
             coords = [start + (t if d == 1 else t * d) for start, t, d in zip(starts, taps, self.dilation)]
             out[e0:e1].view(-1, per_plane).copy_(_ravel(coords, self.input_size))
