@@ -27,15 +27,19 @@ call); that cost, measured the same way around an empty call, is subtracted.
 ``--baseline DIR`` compares with another checkout of the package (``git worktree add DIR <commit>``): each round
 runs one child process per code version, alternating, so both see the same machine load; medians over rounds.
 
+``--tracking`` measures only the op tracker's cost per model (forwards without hooks, with and without a
+``FunctionTracker``); with ``--baseline`` it compares the two checkouts' trackers.
+
 ``--compiled`` adds the narrow model ``torch.compile``'d, compressed inside its graphs by the kernel encode and
 decode ops: host µs per compressed tensor (the compiled graphs run no hook for the others).
 
     python benchmarks/bench_host_overhead.py [--quick] [--repeats 15] [--baseline DIR --rounds 3] [--compiled]
-                                             [--out FILE]
+                                             [--tracking] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,7 +51,9 @@ from pathlib import Path
 import torch
 
 import lightning_act as act
+from lightning_act.codecs import op_rules
 from lightning_act.cuda.launcher import use_runner
+from lightning_act.optrack import FunctionTracker
 from models import MachineLoad, machine, publish
 
 CONFIGS = {
@@ -144,11 +150,7 @@ def plain_and_compressed_steps(compressor: act.ActivationCompressor, loss_fn):
 
 
 def measure(name: str, options: dict, layers: int, repeats: int, width: str = "BERT-base") -> dict:
-    if width == "ResNet-50":
-        (model, loss_fn), min_numel = resnet_50(), RESNET_MIN_NUMEL
-    else:
-        hidden, min_numel = WIDTHS[width]
-        model, loss_fn = bert_base(layers, hidden=hidden)
+    (model, loss_fn), min_numel = _model(width, layers)
     runner = NoOpRunner()
     with use_runner(runner):  # backend="cupy" needs CuPy unless a runner stands in
         compressor = act.ActivationCompressor(model, act.ACTConfig(backend="cupy", min_numel=min_numel, **options))
@@ -183,6 +185,47 @@ def measure(name: str, options: dict, layers: int, repeats: int, width: str = "B
             "launches_per_step": runner.launches / (2 * (repeats + 2)),
             "step_us_per_saved": step_us, "hook_us_per_saved": statistics.median(hook_times) / saved * 1e6,
             "plain_ms": statistics.median(plain_times) * 1e3}
+
+
+def _model(width: str, layers: int):
+    """``((model, loss_fn), min_numel)`` of one of ``MODELS``."""
+    if width == "ResNet-50":
+        return resnet_50(), RESNET_MIN_NUMEL
+    hidden, min_numel = WIDTHS[width]
+    return bert_base(layers, hidden=hidden), min_numel
+
+
+def measure_tracking(width: str, layers: int, repeats: int) -> dict:
+    """The op tracker's own cost: forwards (no hooks) without and with a ``FunctionTracker`` of the op rules'
+    functions, taking turns; ms a forward, medians of the pairs' differences."""
+    (model, loss_fn), _ = _model(width, layers)
+    functions = op_rules.tracked_functions()
+    plain, tracked = [], []
+    for i in range(repeats + 2):  # two warm-up rounds
+        for times, tracker in ((plain, None), (tracked, FunctionTracker(functions))):
+            start = time.thread_time()
+            with tracker if tracker is not None else contextlib.nullcontext():
+                loss = loss_fn()
+            if i >= 2:
+                times.append(time.thread_time() - start)
+            loss.backward()
+    return {"model": width, "config": "op tracking only", "untracked_ms": statistics.median(plain) * 1e3,
+            "tracking_ms": statistics.median(t - p for t, p in zip(tracked, plain)) * 1e3}
+
+
+def tracking_table(before: list[list[dict]] | None, after: list[list[dict]]) -> str:
+    """Op tracking ms a forward per model (medians over rounds), before -> after when there is a before."""
+    lines = ["| model | forward ms, untracked | op tracking ms a forward" + (", before -> after |" if before else " |"),
+             "|---|---|---|"]
+    for i, row in enumerate(after[0]):
+        def median(rounds, key):
+            return statistics.median(r[i][key] for r in rounds)
+
+        figure = f"{median(after, 'tracking_ms'):.2f}"
+        if before:
+            figure = f"{median(before, 'tracking_ms'):.2f} -> {figure}"
+        lines.append(f"| {row['model']} | {median(after, 'untracked_ms'):.1f} | {figure} |")
+    return "\n".join(lines)
 
 
 def measure_compiled(layers: int, repeats: int) -> dict:
@@ -256,18 +299,21 @@ def comparison_table(before: list[list[dict]], after: list[list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def run(quick: bool = False, repeats: int = 15) -> list[dict]:
+def run(quick: bool = False, repeats: int = 15, tracking: bool = False) -> list[dict]:
     layers, repeats = (2, 3) if quick else (12, repeats)
+    if tracking:
+        return [measure_tracking(width, layers, repeats) for width in MODELS]
     configs = dict(list(CONFIGS.items())[:2]) if quick else CONFIGS
     return [measure(name, options, layers, repeats, width) for width in MODELS for name, options in configs.items()]
 
 
-def _child(package_root: Path | None, quick: bool, repeats: int) -> list[dict]:
+def _child(package_root: Path | None, quick: bool, repeats: int, tracking: bool = False) -> list[dict]:
     """This script's measurement in a fresh process, importing ``lightning_act`` from ``package_root`` (the
     checkout this script belongs to when None)."""
     root = package_root or Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, __file__, "--json", "--repeats", str(repeats)] + (["--quick"] if quick else [])
+    command = [sys.executable, __file__, "--json", "--repeats", str(repeats)] + (["--quick"] if quick else []) + \
+        (["--tracking"] if tracking else [])
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -283,10 +329,24 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="also the narrow model torch.compile'd, compressed inside its graphs (compiles for a "
                              "minute or more; 1 layer with --quick)")
+    parser.add_argument("--tracking", action="store_true",
+                        help="only the op tracker's cost: forwards without and with a FunctionTracker, per model")
     args = parser.parse_args()
     torch.set_num_threads(1)  # host overhead is single-threaded Python; one thread keeps the plain step steady
     if args.json:
-        print(json.dumps(run(args.quick, args.repeats)))
+        print(json.dumps(run(args.quick, args.repeats, args.tracking)))
+        return
+    if args.tracking:
+        before, after = [], []
+        for _ in range(args.rounds if args.baseline else 1):
+            if args.baseline:
+                before.append(_child(args.baseline.resolve(), args.quick, args.repeats, tracking=True))
+            after.append(_child(None, args.quick, args.repeats, tracking=True))
+        text = (f"{machine()}; forwards without hooks, thread CPU time, medians\n\nCommand: `python "
+                f"benchmarks/bench_host_overhead.py {' '.join(sys.argv[1:])}`\n\n"
+                + (f"Before: {args.baseline}; after: this checkout. {args.rounds} rounds, each a child process per "
+                   "version, alternating.\n\n" if args.baseline else "") + tracking_table(before, after) + "\n")
+        publish(text, args.out)
         return
     header = (f"{machine()}; BERT-base shape, batch 1 x 8 tokens, and ResNet-50 at 2 x 32², no-op kernels; thread "
               "CPU time, medians\n\n"

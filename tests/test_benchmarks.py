@@ -183,6 +183,21 @@ def test_host_overhead_quick_mode_measures_the_cuda_path_with_no_op_kernels():
                                                   "(issue #20: at most 30, goal 15)")
 
 
+def test_bench_host_overhead_measures_the_op_trackers_own_cost_per_model():
+    """--tracking: forwards without and with a FunctionTracker, per model; the table compares two checkouts."""
+    pytest.importorskip("transformers")
+    import bench_host_overhead
+
+    rows = bench_host_overhead.run(quick=True, tracking=True)
+    assert [r["model"] for r in rows] == list(bench_host_overhead.MODELS)
+    assert all(r["untracked_ms"] > 0 and math.isfinite(r["tracking_ms"]) for r in rows)
+    table = bench_host_overhead.tracking_table([rows], [rows])
+    first = rows[0]
+    assert (f"| {first['model']} | {first['untracked_ms']:.1f} | {first['tracking_ms']:.2f} -> "
+            f"{first['tracking_ms']:.2f} |") in table
+    assert f"| {first['tracking_ms']:.2f} |" in bench_host_overhead.tracking_table(None, [rows])
+
+
 def test_bench_host_overhead_measures_a_compiled_model_through_the_kernel_ops():
     """--compiled: the narrow model compiled, compressed inside its graphs; one encode and one decode launch per
     quantized tensor, one decode launch per mask (packed by traced ops, decoded by the bitmask codec's kernel),
