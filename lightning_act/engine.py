@@ -244,18 +244,12 @@ def _version_alias(t: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-class _SharedDecode:
-    """One compressed form's decode, shared by the saved tensors of a step that stand for it (a transformer's
-    query, key and value projections save one input): ``readers`` unpacks are still to come; the first one to
-    decode keeps the tensor here while others will read it, and the last drops it. As in a step without
-    compression, where they would all read the one saved tensor, its readers get the same tensor object. An
-    unpack after the count ran out (a second backward with ``retain_graph``) decodes again."""
-
-    __slots__ = ("readers", "tensor")
-
-    def __init__(self) -> None:
-        self.readers = 1
-        self.tensor: torch.Tensor | None = None
+# A compressed form's decode, shared by the saved tensors of a step that stand for it (a transformer's query, key and
+# value projections save one input): [unpacks still to come, the decoded tensor or None] (a list: one per
+# compressed tensor, built with no Python frame). The first unpack keeps its decode there while others will read it,
+# the last drops it; as in a step without compression, where they would all read the one saved tensor, its readers
+# get the same tensor object. An unpack after the count ran out (a second backward with retain_graph) decodes again.
+_READERS, _DECODED = 0, 1
 
 
 class _Saved(NamedTuple):
@@ -276,7 +270,7 @@ class _Saved(NamedTuple):
     geometry: tuple | None = None  # (size, stride, storage_offset) of a view into a compressed storage
     side: SideStreamEncoder | None = None
     ticket: int = 0
-    shared: _SharedDecode | None = None  # of a compressed form: its decode, shared with the duplicates of it
+    shared: list | None = None  # of a compressed form: [readers, decoded tensor], shared with its duplicates
 
     def version_error(self) -> None:
         raise RuntimeError(
@@ -719,7 +713,7 @@ class ActivationCompressor:
                     return _new_saved((t, version, shape, t, None, None, None, None, None, 0, None))
                 shared = first.shared
                 if shared is not None:
-                    shared.readers += 1
+                    shared[_READERS] += 1
                 return _new_saved((_version_alias(t), version, shape, None, first.packed, first.swapped, first.codec,
                                    geometry, first.side, first.ticket, shared))
             original = 0  # the same range under another codec: the step's original bytes hold it once
@@ -745,7 +739,7 @@ class ActivationCompressor:
             if codec.shrinks_later and packed is not None:
                 packed.on_resize = functools.partial(_record_resize, records, record)
             saved = _new_saved((_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side,
-                                ticket, _SharedDecode()))
+                                ticket, [1, None]))
         if entry is None:  # a kept tensor holds its storage alive; else a weak reference tells a freed one
             stored[key] = [None if saved.tensor is not None else _StorageRef(owner), {name: saved}]
         else:
@@ -806,18 +800,18 @@ class ActivationCompressor:
         if saved.tensor is not None:
             return saved.tensor
         shared = saved.shared
-        out = shared.tensor if shared is not None else None
+        out = shared[_DECODED] if shared is not None else None
         if out is None:
             packed = saved.packed if saved.packed is not None else saved.swapped.fetch()
             # in the shape of what was encoded: the tensor, or its storage (flat)
             out = saved.codec.decode(packed) if saved.side is None else \
                 saved.side.decode(saved.codec, packed, saved.ticket)
-            if shared is not None and shared.readers > 1:
-                shared.tensor = out
+            if shared is not None and shared[_READERS] > 1:
+                shared[_DECODED] = out
         if shared is not None:
-            shared.readers -= 1
-            if shared.readers <= 0:
-                shared.tensor = None
+            shared[_READERS] -= 1
+            if shared[_READERS] <= 0:
+                shared[_DECODED] = None
         if saved.geometry is not None:
             size, stride, offset = saved.geometry
             return out.as_strided(size, stride, offset)
