@@ -244,11 +244,12 @@ def _version_alias(t: torch.Tensor) -> torch.Tensor:
     return alias
 
 
-# A compressed form's decode, shared by the saved tensors of a step that stand for it (a transformer's query, key and
-# value projections save one input): [unpacks still to come, the decoded tensor or None] (a list: one per
-# compressed tensor, built with no Python frame). The first unpack keeps its decode there while others will read it,
-# the last drops it; as in a step without compression, where they would all read the one saved tensor, its readers
-# get the same tensor object. An unpack after the count ran out (a second backward with retain_graph) decodes again.
+# The decode of autocast's copies of one input, stored once (a transformer's query, key and value projections each
+# cast the hidden state; without compression each holds its own copy until its backward): [unpacks still to come,
+# the decoded tensor or None], shared by those saves (a list: built with no Python frame). The first unpack keeps its
+# decode there for the others, the last drops it; an unpack after the count ran out (a second backward with
+# retain_graph) decodes again. Other saves of one storage decode at each unpack: a bounded node that saves a chunk
+# twice unpacks it at two points of its backward and must not hold it in between.
 _READERS, _DECODED = 0, 1
 
 
@@ -270,7 +271,7 @@ class _Saved(NamedTuple):
     geometry: tuple | None = None  # (size, stride, storage_offset) of a view into a compressed storage
     side: SideStreamEncoder | None = None
     ticket: int = 0
-    shared: list | None = None  # of a compressed form: [readers, decoded tensor], shared with its duplicates
+    shared: list | None = None  # of a compressed autocast copy: [readers, decoded tensor], shared by its copies
 
     def version_error(self) -> None:
         raise RuntimeError(
@@ -739,7 +740,7 @@ class ActivationCompressor:
             if codec.shrinks_later and packed is not None:
                 packed.on_resize = functools.partial(_record_resize, records, record)
             saved = _new_saved((_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side,
-                                ticket, [1, None]))
+                                ticket, None if owner is storage else [1, None]))
         if entry is None:  # a kept tensor holds its storage alive; else a weak reference tells a freed one
             stored[key] = [None if saved.tensor is not None else _StorageRef(owner), {name: saved}]
         else:

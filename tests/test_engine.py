@@ -104,36 +104,36 @@ def test_same_storage_saved_three_times_is_stored_once():
     assert compressor.stats().original_bytes == 2 * one
 
 
-@pytest.mark.parametrize("views", [False, True])
-def test_one_decode_serves_every_save_of_a_stored_form(monkeypatch, views):
-    """A tensor three layers read (a transformer's query, key and value projections) is stored once and decoded
-    once in the backward, its readers getting the same tensor (as without compression, where they read the one
-    saved tensor); a second backward (retain_graph) decodes at each unpack, with the same gradients."""
+@pytest.mark.parametrize("autocast", [True, False])
+def test_one_decode_serves_the_autocast_copies_of_one_input(monkeypatch, autocast):
+    """Three layers reading one float32 input under bfloat16 autocast (a transformer's query, key and value
+    projections) each cast it: one stored form, decoded once in the backward, its readers getting the same tensor.
+    A storage several ops save without autocast decodes at each unpack (a bounded node saves a chunk twice to
+    decode it at two points of its backward, not hold it in between). A second backward (retain_graph) decodes at
+    each unpack, with the same gradients."""
     from lightning_act.codecs.quantize import QuantizeCodec
 
     decodes = []
     decode = QuantizeCodec.decode
     monkeypatch.setattr(QuantizeCodec, "decode", lambda self, packed: decodes.append(packed) or decode(self, packed))
     torch.manual_seed(0)
-    width = 56 if views else 64
-    first, heads = nn.Linear(16, 64), nn.ModuleList(nn.Linear(width, 8) for _ in range(3))
+    first, heads = nn.Linear(16, 64), nn.ModuleList(nn.Linear(64, 8) for _ in range(3))
     x = torch.randn(32, 16)
     compressor = act.ActivationCompressor(None, act.ACTConfig(bits=4, adaptive=False, min_numel=0))
-    with compressor.compress():
-        h = first(x)
-        # views of most of one storage are one form too (each read back in its own geometry)
-        reads = [h[:, 4 * i:4 * i + width] for i in range(3)] if views else [h] * 3
-        loss = sum(head(r).square().sum() for head, r in zip(heads, reads))
+    with compressor.compress(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        h = first(x).float()
+        loss = sum(head(h).float().square().sum() for head in heads)
     records = compressor.stats().records
-    assert sum(r.kind == DUPLICATE and r.codec == "quantize" for r in records) >= 2
-    compressed = sum(r.kind == COMPRESSED for r in records)
+    duplicates = [r for r in records if r.kind == DUPLICATE and r.codec == "quantize"]
+    assert len(duplicates) == 2 and all((r.reason == "autocast copy") == autocast for r in duplicates)
+    forms = sum(r.kind == COMPRESSED and r.codec == "quantize" for r in records)
     loss.backward(retain_graph=True)
     once = [p.grad.clone() for p in first.parameters()]
-    assert len(decodes) == compressed  # one decode per stored form, not per save
+    assert len(decodes) == (forms if autocast else forms + 2)  # one decode for the three copies, or one per save
     decodes.clear()
     first.zero_grad()
     loss.backward()
-    assert len(decodes) > compressed  # no count left: every unpack decodes
+    assert len(decodes) == forms + 2  # no count left: every unpack decodes
     assert all(torch.equal(a, p.grad) for a, p in zip(once, first.parameters()))
 
 
