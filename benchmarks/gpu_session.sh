@@ -48,17 +48,18 @@ timeout 120 python benchmarks/bench_kernel_sweep.py --out "$out/kernel_sweep_gpu
 echo "bench_kernel_sweep.py: exit $?, $(left) s left"
 pack
 # issue #20's rows, each model in its own process (run 5: BERT-base's baseline after ResNet-50 in one process
-# spread from 48 to 61 ms, alone 39.4), about 70 s each
+# spread from 48 to 61 ms, alone 39.4), about 70 s each; last, run 6's host split again (host ms per row: the
+# forward's host time with the hooks doing nothing, and with no kernel launched)
 core=$(( $(left) < 100 ? $(left) : 100 ))
 timeout "$core" python benchmarks/bench_gpu.py --time-budget $(( core - 30 )) --models resnet50 \
-    --configs baseline 4-bit L1 "torch checkpoint" 2-bit --out "$out/gpu.md" --profile "$out/profiles" \
-    > "$out/bench_gpu.log" 2>&1
+    --configs baseline 4-bit L1 "torch checkpoint" 2-bit "4-bit, no kernels" \
+    --out "$out/gpu.md" --profile "$out/profiles" > "$out/bench_gpu.log" 2>&1
 echo "bench_gpu.py, issue #20's ResNet-50 rows: exit $?, $(left) s left"
 pack
 core=$(( $(left) < 100 ? $(left) : 100 ))
 timeout "$core" python benchmarks/bench_gpu.py --time-budget $(( core - 30 )) --models bert-base \
-    --configs baseline 4-bit L1 "torch checkpoint" 2-bit --out "$out/gpu_bert.md" --profile "$out/profiles" \
-    > "$out/bench_gpu_bert.log" 2>&1
+    --configs baseline 4-bit L1 "torch checkpoint" 2-bit "empty hooks" "4-bit, no kernels" \
+    --out "$out/gpu_bert.md" --profile "$out/profiles" > "$out/bench_gpu_bert.log" 2>&1
 echo "bench_gpu.py, issue #20's BERT-base rows: exit $?, $(left) s left"
 pack
 # torch.compile'd BERT-base: compressed inside the graphs (the kernel encode op: no hooks per tensor at run time),
