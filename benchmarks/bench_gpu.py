@@ -774,33 +774,33 @@ def report(rows: list[dict], not_run: list[str], facts: list[dict], env: dict, c
         lines += ["First step of the compiled configurations (their compilation, caches cold unless an earlier "
                   "configuration compiled the same graphs): " + ", ".join(
                       f"{r['model']} {r['config']} {r['first_step_s']:.0f} s" for r in compiled) + ".", ""]
-    stored = [r for r in rows if r.get("stored_by")]
-    if stored:
-        lines += ["Where the stored bytes go (each compressed row's saved tensors grouped by codec, bits, dtype, or "
-                  "the reason they were kept; the groups storing most first, MiB saved -> stored):", ""]
-        lines += [f"- {r['model']}, {r['config']}: " + "; ".join(map(_stored_group, r["stored_by"])) for r in stored]
-        lines.append("")
-    idle = [r for r in rows if r.get("device_idle")]
-    if idle:
-        lines += ["Device idle in the profiled step (the union of its kernels against the span from the first one's "
-                  "start to the last one's end: where the device waits for the host; the longest gaps, between "
-                  "which kernels):", ""]
-        lines += [f"- {r['model']}, {r['config']}: {r['device_idle']['idle_ms']:.1f} ms idle of "
-                  f"{r['device_idle']['span_ms']:.1f}" + "".join(
-                      f"; {ms:.2f} ms after {before[:48]} before {after[:48]}"
-                      for ms, before, after in r["device_idle"]["gaps"]) for r in idle]
-        lines.append("")
-    events = [r for r in rows if r.get("host_events")]
-    if events:
-        lines += ["Host in the timed steps, per step (host_ms: the main thread's CPU time issuing the step, before "
-                  "it waits for the device; the garbage collector's collections and their ms; the CUDA caching allocator's device allocations, frees, retries and all-stream synchronisations, "
-                  "each a driver call that can wait for the device):", ""]
-        lines += [f"- {r['model']}, {r['config']}: " + ", ".join(
-            f"{value / r['host_events']['steps']:.1f} {key}" for key, value in r["host_events"].items()
-            if key != "steps") for r in events]
-        lines.append("")
+    lines += _row_notes(
+        rows, "stored_by", "Where the stored bytes go (each compressed row's saved tensors grouped by codec, bits, "
+        "dtype, or the reason they were kept; the groups storing most first, MiB saved -> stored):",
+        lambda r: "; ".join(map(_stored_group, r["stored_by"])))
+    lines += _row_notes(
+        rows, "device_idle", "Device idle in the profiled step (the union of its kernels against the span from the "
+        "first one's start to the last one's end: where the device waits for the host; the longest gaps, between "
+        "which kernels):",
+        lambda r: f"{r['device_idle']['idle_ms']:.1f} ms idle of {r['device_idle']['span_ms']:.1f}" + "".join(
+            f"; {ms:.2f} ms after {before[:48]} before {after[:48]}" for ms, before, after in r["device_idle"]["gaps"]))
+    lines += _row_notes(
+        rows, "host_events", "Host in the timed steps, per step (host_ms: the main thread's CPU time issuing the "
+        "step, before it waits for the device; the garbage collector's collections and their ms; the CUDA caching "
+        "allocator's device allocations, frees, retries and all-stream synchronisations, each a driver call that "
+        "can wait for the device):",
+        lambda r: ", ".join(f"{value / r['host_events']['steps']:.1f} {key}"
+                            for key, value in r["host_events"].items() if key != "steps"))
     lines += [f"Not run: {why}." for why in not_run]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _row_notes(rows: list[dict], key: str, heading: str, line: Callable[[dict], str]) -> list[str]:
+    """A report section: ``heading`` and a line per row that has ``key`` (nothing when no row has it)."""
+    chosen = [r for r in rows if r.get(key)]
+    if not chosen:
+        return []
+    return [heading, ""] + [f"- {r['model']}, {r['config']}: {line(r)}" for r in chosen] + [""]
 
 
 def _plan_summary(options: dict) -> str:

@@ -90,10 +90,10 @@ class _Wrappers:
         # per function, made once: where it is looked up, and its wrapper (a step installs them, not builds them)
         self._sites: dict[Callable, tuple[list[tuple[object, str]], Callable]] = {}
 
-    def enter(self, functions: Iterable[Callable]) -> None:
+    def enter(self, functions: frozenset[Callable]) -> None:
         with self.lock:
             self.active += 1
-            for func in set(functions) - self.functions:  # a rule registered since: wrapped from now on
+            for func in functions - self.functions:  # a rule registered since: wrapped from now on
                 found = self._sites.get(func)
                 if found is None:
                     found = self._sites[func] = (patch_sites(func), _wrapper(func))

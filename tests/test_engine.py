@@ -199,10 +199,16 @@ def test_autocast_copies_of_one_input_are_stored_once():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_autocast_copies_of_a_channels_last_input_are_stored_once(dtype):
+def test_autocast_copies_of_a_channels_last_input_are_stored_once(dtype, monkeypatch):
     """Two convolutions of one channels_last input (a downsampling branch beside the main one): autocast casts a
-    float32 input for each, keeping its layout, and the second copy is the first's duplicate; a float64 input is not
+    float32 input for each, keeping its layout, and the second copy is the first's duplicate, decoded once for
+    both in the backward (its storage in memory order, seen through each save's geometry); a float64 input is not
     cast by autocast, so nothing is a copy."""
+    from lightning_act.codecs.quantize import QuantizeCodec
+
+    decodes = []
+    decode = QuantizeCodec.decode
+    monkeypatch.setattr(QuantizeCodec, "decode", lambda self, packed: decodes.append(packed) or decode(self, packed))
     torch.manual_seed(0)
     convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(2)).to(dtype)
     x0 = torch.randn(4, 8, 16, 16, dtype=dtype).to(memory_format=torch.channels_last).requires_grad_()
@@ -225,6 +231,11 @@ def test_autocast_copies_of_a_channels_last_input_are_stored_once(dtype):
     copies = [r for r in compressor.stats().records if r.reason == "autocast copy"]
     assert [(r.kind, r.shape, r.original_bytes, r.stored_bytes) for r in copies] == (
         [(DUPLICATE, (4, 8, 16, 16), 4 * 8 * 16 * 16 * 2, 0)] if dtype == torch.float32 else [])
+    records = compressor.stats().records
+    forms = sum(r.kind == COMPRESSED and r.codec == "quantize" for r in records)
+    # one decode per stored form and per other save of one storage (float64: both convolutions save h itself)
+    saved_again = sum(r.kind == DUPLICATE and r.codec == "quantize" and r.reason != "autocast copy" for r in records)
+    assert saved_again == (dtype == torch.float64) and len(decodes) == forms + saved_again
     assert torch.nn.functional.cosine_similarity(compressed, reference, dim=0) > 0.999
 
 
