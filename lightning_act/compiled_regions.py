@@ -38,10 +38,11 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch._inductor import config as inductor_config
@@ -52,9 +53,10 @@ from .codecs._chunks import chunk_elements, spans
 from .codecs.base import Packed
 from .cuda.launcher import PART_ALIGN, OneBuffer, runner_override
 from .cuda.quantize import encoded_layout
-from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_rows
+from .formats._bitpack import (PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_codes_traced,
+                               unpack_rows)
 from .formats.compiled import quantize_groups
-from .formats.floats import FLOAT_DTYPES
+from .formats.floats import CANONICAL_NAN, FLOAT_DTYPES, INT_VIEW
 from .formats.quantize import STATS_DTYPES
 from .stats import COMPRESSED, TensorRecord
 
@@ -177,6 +179,35 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
     levels = torch.full((), float((1 << bits) - 1), device=x.device)  # a tensor, as quantize_groups divides by it
     codes, mn, step = quantize_groups(flat.view(-1, group_size).float(), counter, levels, bits, stats_dtype)
     return pack_codes_traced(codes.view(-1)[:n], bits), mn, step
+
+
+def decode_traced(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel, bits: int, group_size: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize_reference`` of :func:`encode_traced`'s parts as torch ops a graph can hold: a flat tensor of
+    ``numel`` (maybe symbolic) elements in ``dtype``, NaN canonical. Each group's statistics are broadcast by an
+    expand (indexing, no copy), so inductor fuses the decode into one loop, or into the op that reads it. The same
+    bits as the reference on CPU (inductor's C++ does not contract the multiply and the add); inductor's Triton may
+    fuse them into one rounding on a GPU."""
+    groups = mn.shape[0]
+
+    def per_element(stats: torch.Tensor) -> torch.Tensor:
+        return stats.float()[:, None].expand(groups, group_size).reshape(-1)[:numel]
+
+    values = (unpack_codes_traced(payload, bits, numel).float() * per_element(step) + per_element(mn)).to(dtype)
+    # through the integer view: a NaN constant would be cast, and casts of NaN differ by device (formats.floats)
+    return torch.where(torch.isnan(values), CANONICAL_NAN[dtype], values.view(INT_VIEW[dtype])).view(dtype)
+
+
+def restore_signs_traced(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """:func:`restore_signs` as torch ops a graph can hold (a new tensor): at least the dtype's smallest normal
+    where the 1-bit ``signs`` say the original was positive, at most 0 elsewhere."""
+    positive = unpack_codes_traced(signs, 1, values.numel()).bool()
+    return torch.where(positive, values.clamp(min=torch.finfo(values.dtype).tiny), values.clamp(max=0.0))
+
+
+def unpack_mask_traced(payload: torch.Tensor, numel) -> torch.Tensor:
+    """:func:`unpack_mask` as torch ops a graph can hold."""
+    return unpack_codes_traced(payload, 1, numel).bool()
 
 
 def _buffer_bytes(numel, bits: int, group_size: int, stats_dtype: torch.dtype):
@@ -581,6 +612,103 @@ def _sink_decodes(graph: torch.fx.Graph) -> None:
             first.prepend(link)
 
 
+# record_decoded's ints per tensor: the codec (_QUANTIZE or _BITMASK), the dtype (index in _RECORD_DTYPES), bits,
+# group size, the statistics' dtype (index in _STATS_DTYPES), and whether the signs are stored beside the codes
+_QUANTIZE, _BITMASK = 0, 1
+_RECORD_DTYPES = (*FLOAT_DTYPES, torch.bool)
+_STATS_DTYPES = tuple(STATS_DTYPES.values())
+_RECORD_FIELDS = 6
+
+_LIBRARY.define("record_decoded(int owner, SymInt[] numels, int[] fields) -> ()", tags=_OP_TAGS)
+
+
+def record_decoded(owner: int, numels: list[int], fields: list[int]) -> None:
+    """Count the tensors one run of a compiled backward decoded with traced ops (:func:`_inline_decodes`), in the
+    statistics of the compressor ``owner`` names, as :func:`dequantize` and :func:`unpack_mask` count theirs: one
+    call per graph, where the ops made one per tensor."""
+    hooks = _OWNERS.get(owner)
+    if hooks is None:
+        return
+    for i, numel in enumerate(numels):
+        codec, dtype, bits, group_size, stats, signs = fields[i * _RECORD_FIELDS:(i + 1) * _RECORD_FIELDS]
+        if codec == _BITMASK:
+            hooks.record(numel, torch.bool, 1, packed_nbytes(numel, 1), codec="bitmask")
+            continue
+        groups = -(-numel // group_size)
+        stored = packed_nbytes(numel, bits) + 2 * groups * _STATS_DTYPES[stats].itemsize
+        hooks.record(numel, _RECORD_DTYPES[dtype], bits, stored + (packed_nbytes(numel, 1) if signs else 0))
+
+
+# no tensor argument to dispatch on: one kernel for every device; no output, so marked as a side effect (kept)
+_LIBRARY.impl("record_decoded", record_decoded, "CompositeExplicitAutograd")
+torch.library.register_fake("lightning_act::record_decoded", lambda owner, numels, fields: None, lib=_LIBRARY)
+if hasattr(torch.fx.node, "has_side_effect"):
+    torch.fx.node.has_side_effect(torch.ops.lightning_act.record_decoded.default)
+
+
+def _traced_decode(node: torch.fx.Node) -> tuple[Callable, tuple, object, tuple[int, ...], int]:
+    """``(fn, inputs, numel, fields, owner)``: the traced ops that compute what the decode op ``node`` does from
+    its ``inputs`` (nodes, or ints), and what :func:`record_decoded` counts for it."""
+    if node.target is torch.ops.lightning_act.unpack_mask.default:
+        payload, numel, owner = node.args
+        return (unpack_mask_traced, (payload, numel), numel, (_BITMASK, _RECORD_DTYPES.index(torch.bool), 1, 1, 0, 0),
+                owner)
+    payload, mn, step, numel, bits, group_size, dtype, owner, *rest = node.args
+    signs = rest[0] if rest else node.kwargs.get("signs")
+
+    def decode(payload, mn, step, numel, *signs):
+        values = decode_traced(payload, mn, step, numel, bits, group_size, dtype)
+        return restore_signs_traced(values, *signs) if signs else values
+
+    fields = (_QUANTIZE, _RECORD_DTYPES.index(dtype), bits, group_size,
+              _STATS_DTYPES.index(mn.meta["val"].dtype), int(signs is not None))
+    return decode, (payload, mn, step, numel, *([signs] if signs is not None else [])), numel, fields, owner
+
+
+def _inline_decodes(graph: torch.fx.Graph) -> None:
+    """Replace each ``lightning_act::dequantize`` and ``::unpack_mask`` node (the traced encode's forms) with the
+    torch ops that compute it, in its place, and count them all with one ``record_decoded`` node per compressor
+    at the graph's start: a compiled backward then runs no Python per saved tensor, and inductor fuses each
+    decode into one loop, or into the op that reads it. Where this torch's internals refuse (its tracing helpers
+    moved), the ops stay, with a warning: the same values, one Python call each."""
+    from torch._inductor.pattern_matcher import fwd_only
+    from torch._inductor.virtualized import V
+
+    nodes = [node for op in (torch.ops.lightning_act.dequantize.default, torch.ops.lightning_act.unpack_mask.default)
+             for node in graph.find_nodes(op="call_function", target=op)]
+    counted: dict[int, tuple[list, list]] = {}
+    for node in nodes:
+        try:
+            fn, inputs, numel, fields, owner = _traced_decode(node)
+            with V.fake_mode:
+                traced = fwd_only(fn, torch.fx.map_arg(inputs, lambda arg: arg.meta["val"]))
+        except Exception as error:  # noqa: BLE001 -- another torch's internals: the op computes the same
+            _warn_once(f"lightning_act: compiled backwards decode saved tensors through one Python call each: "
+                       f"tracing the decode failed on torch {torch.__version__} ({type(error).__name__}: {error})")
+            break  # the ops left count themselves; those inlined so far are counted below
+        placeholders = traced.graph.find_nodes(op="placeholder")
+        with graph.inserting_before(node):
+            out = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        numels, all_fields = counted.setdefault(owner, ([], []))
+        numels.append(numel)
+        all_fields += fields
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    for owner, (numels, fields) in counted.items():
+        # first, as soon as its sizes are known: inductor (2.13) freed a buffer too early where this node, which
+        # has no output, sat between the backward's fused loops
+        sizes = [n for n in numels if isinstance(n, torch.fx.Node)]
+        after = max(sizes, key=position.__getitem__) if sizes else graph.find_nodes(op="placeholder")[-1]
+        with graph.inserting_after(after):
+            graph.call_function(torch.ops.lightning_act.record_decoded.default, (owner, numels, list(fields)))
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
 def install_sink_pass() -> None:
     """Make :class:`SinkDecodes` inductor's post-grad pass, running after any pass the user set (once per process:
     a backward compiles lazily, after the forward's configuration context has ended)."""
@@ -603,6 +731,7 @@ class SinkDecodes(CustomGraphPass):
         for custom_pass in self.before:
             custom_pass(graph)
         _sink_decodes(graph)
+        _inline_decodes(graph)
 
     def uuid(self) -> bytes | None:
         # None (inductor then compiles without its cache) when a pass run first has no uuid: as for that pass alone

@@ -2,6 +2,7 @@
 inlines into compiled graphs, the decode op, the pass that places it, and the engine's hooks in the eager code
 around compiled graphs. Each compiling test costs an inductor compilation (seconds): models are small."""
 import contextlib
+import math
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import lightning_act as act
 from lightning_act import compiled_regions
-from lightning_act.formats._bitpack import pack_codes, pack_codes_traced, packed_nbytes
+from lightning_act.formats._bitpack import pack_codes, pack_codes_traced, packed_nbytes, unpack_codes_traced
 from lightning_act.cuda.launcher import use_runner
 from lightning_act.formats.quantize import dequantize_reference, quantize_reference
 from lightning_act.model_prep import has_compiled_parts
@@ -91,6 +92,58 @@ def test_the_decode_op_is_the_formats_decode_without_a_compressor(stats_dtype):
     payload, mn, step = compiled_regions.encode_traced(x, 2, 256, stats_dtype)
     decoded = torch.ops.lightning_act.dequantize(payload, mn, step, x.numel(), 2, 256, torch.float32, -1)
     assert torch.equal(decoded, dequantize_reference(payload, mn, step, x.numel(), 2, 256, torch.float32))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 33, 1000])
+def test_traced_unpacking_is_unpack_codes(bits, n):
+    codes = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
+    unpacked = unpack_codes_traced(pack_codes(codes.clone(), bits), bits, n)
+    assert unpacked.dtype == torch.int32 and torch.equal(unpacked, codes.int())
+
+
+def _encoded_with_specials(n: int, dtype: torch.dtype, bits: int, group: int, stats_dtype: torch.dtype):
+    """The reference encode of ``n`` values of ``dtype`` with a NaN, an infinity and a -0.0 where they fit."""
+    x = (torch.randn(n, dtype=torch.float64) * 3).to(dtype)
+    for i, special in zip((3, 300, 5), (math.nan, math.inf, -0.0)):
+        if i < n:
+            x[i] = special
+    return quantize_reference(x, bits, group, stats_dtype, seed=0, key=n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n, group", [(0, 256), (1, 256), (255, 256), (3 * 256 + 5, 256), (100, 32)])
+@pytest.mark.parametrize("stats_dtype", [torch.float32, torch.bfloat16])
+def test_the_traced_decode_is_the_formats_decode_bit_for_bit(dtype, bits, n, group, stats_dtype):
+    """What compiled backwards inline for the decode op: the reference's bits, NaN canonical."""
+    payload, mn, step = _encoded_with_specials(n, dtype, bits, group, stats_dtype)
+    decoded = compiled_regions.decode_traced(payload, mn, step, n, bits, group, dtype)
+    assert_same_bits(decoded, dequantize_reference(payload, mn, step, n, bits, group, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_traced_decode_compiled_by_inductor_keeps_the_bits(dtype):
+    """Inductor's C++ fuses the decode into one loop without contracting its multiply and add (one shape per
+    dtype: each compiles)."""
+    n, bits, group = 70_001, 4, 256
+    payload, mn, step = _encoded_with_specials(n, dtype, bits, group, torch.float32)
+    decode = torch.compile(compiled_regions.decode_traced, fullgraph=True, dynamic=False)
+    assert_same_bits(decode(payload, mn, step, n, bits, group, dtype),
+                     dequantize_reference(payload, mn, step, n, bits, group, dtype))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 9, 4099])
+def test_traced_signs_and_masks_are_the_ops_bit_for_bit(dtype, n):
+    values = torch.randn(n, dtype=torch.float64).to(dtype)
+    values[: n // 3] = 0.0
+    signs = pack_codes_traced(torch.randn(n).gt(0).to(torch.uint8), 1)
+    assert_same_bits(compiled_regions.restore_signs_traced(values, signs),
+                     compiled_regions.restore_signs(values.clone(), signs))
+    assert torch.equal(compiled_regions.unpack_mask_traced(signs, n),
+                       torch.ops.lightning_act.unpack_mask(signs, n, -1))
 
 
 class _Counting:
@@ -257,8 +310,51 @@ def test_each_decode_moves_right_before_its_first_reader():
     squared = graph.call_function(torch.ops.aten.mul.Tensor, (grad, grad))
     added = graph.call_function(torch.ops.aten.add.Tensor, (squared, view))
     graph.output(added)
-    compiled_regions.SinkDecodes()(graph)
+    compiled_regions._sink_decodes(graph)
     assert [n.name for n in graph.nodes][4:] == [squared.name, decoded.name, view.name, added.name, "output"]
+
+
+def _inlined_and_op_steps(monkeypatch, inline: bool):
+    """``(gradients, compiled records, codec decode calls)`` of a compiled step whose backward decodes with the
+    traced ops inlined by the sink pass (``inline``) or, where tracing them fails, with the decode ops."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.Dropout(0.25), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 4))
+    x = torch.randn(64, 16)
+    net = torch.compile(model)
+    compressor = act.ActivationCompressor(net, act.ACTConfig(bits=4, adaptive=False, min_numel=1024))
+    calls = []
+    for codec in (compressor.codec("quantize", 4), compressor.codec("bitmask")):
+        decode = type(codec).decode
+        monkeypatch.setattr(type(codec), "decode", lambda self, packed, _d=decode: calls.append(1) or _d(self, packed))
+    if not inline:
+        def refuse(node):
+            raise RuntimeError("tracing refused by the test")
+        monkeypatch.setattr(compiled_regions, "_traced_decode", refuse)
+    with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        step = _compressed(compressor, net)
+        _gradients(model, lambda: step(x))  # compiles (which draws random numbers)
+        calls.clear()
+        torch.manual_seed(2)
+        grads = _gradients(model, lambda: step(x))
+    torch._dynamo.reset()
+    records = sorted((r.codec, r.dtype, r.bits, r.original_bytes, r.stored_bytes) for r in _compiled_records(compressor))
+    return grads, records, len(calls)
+
+
+def test_a_compiled_backward_runs_no_python_per_saved_tensor(monkeypatch):
+    """The sink pass replaces each decode op with the traced ops that compute it (inductor fuses them into the
+    backward's loops) and counts the graph's tensors with one ``record_decoded`` call: no codec decode runs, and
+    the statistics and gradients are those of the decode ops, which run where tracing fails (with a warning)."""
+    grads, records, calls = _inlined_and_op_steps(monkeypatch, inline=True)
+    assert calls == 0
+    assert len(records) >= 4 and {r[0] for r in records} == {"quantize", "bitmask"}  # activations, dropout's masks
+    with pytest.warns(RuntimeWarning, match="tracing refused by the test"):
+        op_grads, op_records, op_calls = _inlined_and_op_steps(monkeypatch, inline=False)
+    assert op_calls == len(op_records) == len(records)
+    assert op_records == records
+    # the same noise and decoded bits; inductor's fused loops sum in another order than the ops' own
+    torch.testing.assert_close(grads, op_grads, rtol=1e-3, atol=1e-6)
 
 
 class _CountingPass(CustomGraphPass):
