@@ -42,7 +42,7 @@ import warnings
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 from torch._inductor import config as inductor_config
@@ -210,12 +210,31 @@ def unpack_mask_traced(payload: torch.Tensor, numel) -> torch.Tensor:
     return unpack_codes_traced(payload, 1, numel).bool()
 
 
-def _buffer_bytes(numel, bits: int, group_size: int, stats_dtype: torch.dtype):
-    """``cuda.quantize.encoded_layout(...).total`` (each part padded to ``PART_ALIGN``) from an element count that
-    may be symbolic (dynamic shapes), which the layout's cache cannot hash."""
+def _buffer_parts(numel, bits: int, group_size: int, stats_dtype: torch.dtype) -> list[tuple[int, int]]:
+    """``(offset, bytes)`` of the payload, ``mn`` and ``step`` in ``cuda.quantize.encoded_layout``'s buffer, each
+    part padded to ``PART_ALIGN``, from an element count that may be symbolic (dynamic shapes), which the layout's
+    cache cannot hash; the total last, as ``(total, 0)``."""
     groups = -(-numel // group_size)
-    parts = (packed_nbytes(numel, bits), groups * stats_dtype.itemsize, groups * stats_dtype.itemsize)
-    return sum(size + (-size % PART_ALIGN) for size in parts)
+    parts, offset = [], 0
+    for size in (packed_nbytes(numel, bits), groups * stats_dtype.itemsize, groups * stats_dtype.itemsize):
+        parts.append((offset, size))
+        offset += size + (-size % PART_ALIGN)
+    return parts + [(offset, 0)]
+
+
+def _buffer_bytes(numel, bits: int, group_size: int, stats_dtype: torch.dtype):
+    """``cuda.quantize.encoded_layout(...).total``, ``numel`` maybe symbolic."""
+    return _buffer_parts(numel, bits, group_size, stats_dtype)[-1][0]
+
+
+def decode_buffer_traced(buffer: torch.Tensor, numel, bits: int, group_size: int, dtype: torch.dtype,
+                         stats_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`decode_traced` of the kernel encode's one buffer (:func:`quantize`): its parts as slices, the
+    statistics viewed in their dtype."""
+    (payload_at, payload_bytes), (mn_at, stats_bytes), (step_at, _), _ = _buffer_parts(numel, bits, group_size,
+                                                                                        stats_dtype)
+    mn, step = (buffer[at:at + stats_bytes].view(stats_dtype) for at in (mn_at, step_at))
+    return decode_traced(buffer[payload_at:payload_at + payload_bytes], mn, step, numel, bits, group_size, dtype)
 
 
 @_op("quantize(Tensor x, int bits, int group_size, ScalarType stats_dtype, int owner) -> Tensor",
@@ -619,17 +638,16 @@ _RECORD_DTYPES = (*FLOAT_DTYPES, torch.bool)
 _STATS_DTYPES = tuple(STATS_DTYPES.values())
 _RECORD_FIELDS = 6
 
-_LIBRARY.define("record_decoded(int owner, SymInt[] numels, int[] fields) -> ()", tags=_OP_TAGS)
-
-
-def record_decoded(owner: int, numels: list[int], fields: list[int]) -> None:
+@_op("record_decoded(Tensor carried, int owner, SymInt[] numels, int[] fields) -> Tensor",
+     lambda carried, owner, numels, fields: torch.empty_like(carried))
+def record_decoded(carried: torch.Tensor, owner: int, numels: list[int], fields: list[int]) -> torch.Tensor:
     """Count the tensors one run of a compiled backward decoded with traced ops (:func:`_inline_decodes`), in the
     statistics of the compressor ``owner`` names, as :func:`dequantize` and :func:`unpack_mask` count theirs: one
-    call per graph, where the ops made one per tensor."""
+    call per graph, where the ops made one per tensor. Returns a copy of ``carried`` (a small input of one of the
+    decodes, which reads the copy): an op without an output, which inductor keeps only as a side effect, had it
+    free buffers before their last reader (torch 2.13's C++ kernels, "del buf" before the loop that reads buf)."""
     hooks = _OWNERS.get(owner)
-    if hooks is None:
-        return
-    for i, numel in enumerate(numels):
+    for i, numel in enumerate(numels if hooks is not None else ()):
         codec, dtype, bits, group_size, stats, signs = fields[i * _RECORD_FIELDS:(i + 1) * _RECORD_FIELDS]
         if codec == _BITMASK:
             hooks.record(numel, torch.bool, 1, packed_nbytes(numel, 1), codec="bitmask")
@@ -637,71 +655,98 @@ def record_decoded(owner: int, numels: list[int], fields: list[int]) -> None:
         groups = -(-numel // group_size)
         stored = packed_nbytes(numel, bits) + 2 * groups * _STATS_DTYPES[stats].itemsize
         hooks.record(numel, _RECORD_DTYPES[dtype], bits, stored + (packed_nbytes(numel, 1) if signs else 0))
+    return carried.clone()
 
 
-# no tensor argument to dispatch on: one kernel for every device; no output, so marked as a side effect (kept)
-_LIBRARY.impl("record_decoded", record_decoded, "CompositeExplicitAutograd")
-torch.library.register_fake("lightning_act::record_decoded", lambda owner, numels, fields: None, lib=_LIBRARY)
-if hasattr(torch.fx.node, "has_side_effect"):
-    torch.fx.node.has_side_effect(torch.ops.lightning_act.record_decoded.default)
+class _Decode(NamedTuple):
+    """A decode op's traced replacement (:func:`_traced_decode`): ``fn(*inputs)`` computes what the op does,
+    ``carried`` is the index of its smallest tensor input, ``numel`` and ``fields`` what ``record_decoded``
+    counts for it."""
+
+    node: torch.fx.Node
+    fn: Callable
+    inputs: tuple
+    carried: int
+    numel: object
+    fields: tuple[int, ...]
+    owner: int
 
 
-def _traced_decode(node: torch.fx.Node) -> tuple[Callable, tuple, object, tuple[int, ...], int]:
-    """``(fn, inputs, numel, fields, owner)``: the traced ops that compute what the decode op ``node`` does from
-    its ``inputs`` (nodes, or ints), and what :func:`record_decoded` counts for it."""
+def _traced_decode(node: torch.fx.Node) -> _Decode:
+    """The traced replacement of the decode op ``node``, from its arguments (nodes, or ints)."""
     if node.target is torch.ops.lightning_act.unpack_mask.default:
         payload, numel, owner = node.args
-        return (unpack_mask_traced, (payload, numel), numel, (_BITMASK, _RECORD_DTYPES.index(torch.bool), 1, 1, 0, 0),
-                owner)
-    payload, mn, step, numel, bits, group_size, dtype, owner, *rest = node.args
+        return _Decode(node, unpack_mask_traced, (payload, numel), 0, numel,
+                       (_BITMASK, _RECORD_DTYPES.index(torch.bool), 1, 1, 0, 0), owner)
+    if node.target is torch.ops.lightning_act.dequantize_buffer.default:
+        buffer, numel, bits, group_size, dtype, stats_dtype, owner, *rest = node.args
+        parts, carried = (buffer,), 0
+
+        def values(buffer, numel):
+            return decode_buffer_traced(buffer, numel, bits, group_size, dtype, stats_dtype)
+    else:
+        payload, mn, step, numel, bits, group_size, dtype, owner, *rest = node.args
+        parts, carried, stats_dtype = (payload, mn, step), 1, mn.meta["val"].dtype
+
+        def values(payload, mn, step, numel):
+            return decode_traced(payload, mn, step, numel, bits, group_size, dtype)
     signs = rest[0] if rest else node.kwargs.get("signs")
 
-    def decode(payload, mn, step, numel, *signs):
-        values = decode_traced(payload, mn, step, numel, bits, group_size, dtype)
-        return restore_signs_traced(values, *signs) if signs else values
+    def decode(*inputs):
+        if signs is None:
+            return values(*inputs)
+        return restore_signs_traced(values(*inputs[:-1]), inputs[-1])
 
-    fields = (_QUANTIZE, _RECORD_DTYPES.index(dtype), bits, group_size,
-              _STATS_DTYPES.index(mn.meta["val"].dtype), int(signs is not None))
-    return decode, (payload, mn, step, numel, *([signs] if signs is not None else [])), numel, fields, owner
+    fields = (_QUANTIZE, _RECORD_DTYPES.index(dtype), bits, group_size, _STATS_DTYPES.index(stats_dtype),
+              int(signs is not None))
+    inputs = (*parts, numel, *([signs] if signs is not None else []))
+    if signs is not None and carried == 0:  # the buffer holds the codes: the signs are smaller
+        carried = len(inputs) - 1
+    return _Decode(node, decode, inputs, carried, numel, fields, owner)
 
 
 def _inline_decodes(graph: torch.fx.Graph) -> None:
-    """Replace each ``lightning_act::dequantize`` and ``::unpack_mask`` node (the traced encode's forms) with the
-    torch ops that compute it, in its place, and count them all with one ``record_decoded`` node per compressor
-    at the graph's start: a compiled backward then runs no Python per saved tensor, and inductor fuses each
-    decode into one loop, or into the op that reads it. Where this torch's internals refuse (its tracing helpers
-    moved), the ops stay, with a warning: the same values, one Python call each."""
+    """Replace each decode node (``lightning_act::dequantize``, ``::dequantize_buffer``, ``::unpack_mask``) with the
+    torch ops that compute it, in its place, and count them all with one ``record_decoded`` call per compressor
+    and graph, which passes the first decode's smallest input through: a compiled backward then runs no Python
+    per saved tensor, and inductor fuses each decode into one loop, or into the op that reads it. Where this
+    torch's internals refuse (its tracing helpers moved), the ops stay, with a warning: the same values, one Python
+    call each."""
     from torch._inductor.pattern_matcher import fwd_only
     from torch._inductor.virtualized import V
 
-    nodes = [node for op in (torch.ops.lightning_act.dequantize.default, torch.ops.lightning_act.unpack_mask.default)
+    nodes = [node for op in (torch.ops.lightning_act.dequantize.default,
+                             torch.ops.lightning_act.dequantize_buffer.default,
+                             torch.ops.lightning_act.unpack_mask.default)
              for node in graph.find_nodes(op="call_function", target=op)]
-    counted: dict[int, tuple[list, list]] = {}
+    traced = []
     for node in nodes:
         try:
-            fn, inputs, numel, fields, owner = _traced_decode(node)
+            decode = _traced_decode(node)
             with V.fake_mode:
-                traced = fwd_only(fn, torch.fx.map_arg(inputs, lambda arg: arg.meta["val"]))
-        except Exception as error:  # noqa: BLE001 -- another torch's internals: the op computes the same
+                traced.append((decode, fwd_only(decode.fn, torch.fx.map_arg(decode.inputs, lambda a: a.meta["val"]))))
+        except Exception as error:  # noqa: BLE001 -- another torch's internals: the ops compute the same
             _warn_once(f"lightning_act: compiled backwards decode saved tensors through one Python call each: "
                        f"tracing the decode failed on torch {torch.__version__} ({type(error).__name__}: {error})")
-            break  # the ops left count themselves; those inlined so far are counted below
-        placeholders = traced.graph.find_nodes(op="placeholder")
-        with graph.inserting_before(node):
-            out = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        numels, all_fields = counted.setdefault(owner, ([], []))
-        numels.append(numel)
-        all_fields += fields
+            return
     position = {node: i for i, node in enumerate(graph.nodes)}
-    for owner, (numels, fields) in counted.items():
-        # first, as soon as its sizes are known: inductor (2.13) freed a buffer too early where this node, which
-        # has no output, sat between the backward's fused loops
-        sizes = [n for n in numels if isinstance(n, torch.fx.Node)]
-        after = max(sizes, key=position.__getitem__) if sizes else graph.find_nodes(op="placeholder")[-1]
-        with graph.inserting_after(after):
-            graph.call_function(torch.ops.lightning_act.record_decoded.default, (owner, numels, list(fields)))
+    carriers = {}  # owner -> the first of its decodes in the graph, which carries the count
+    for decode, _ in traced:
+        first = carriers.get(decode.owner)
+        if first is None or position[decode.node] < position[first.node]:
+            carriers[decode.owner] = decode
+    for decode, replacement in traced:
+        inputs = list(decode.inputs)
+        with graph.inserting_before(decode.node):
+            if carriers[decode.owner] is decode:
+                counted = [d for d, _ in traced if d.owner == decode.owner]
+                inputs[decode.carried] = graph.call_function(torch.ops.lightning_act.record_decoded.default, (
+                    inputs[decode.carried], decode.owner, [d.numel for d in counted],
+                    [field for d in counted for field in d.fields]))
+            placeholders = replacement.graph.find_nodes(op="placeholder")
+            out = graph.graph_copy(replacement.graph, dict(zip(placeholders, inputs)))
+        decode.node.replace_all_uses_with(out)
+        graph.erase_node(decode.node)
 
 
 @functools.cache
