@@ -230,8 +230,9 @@ def tracking_table(before: list[list[dict]] | None, after: list[list[dict]]) -> 
 
 def measure_compiled(layers: int, repeats: int) -> dict:
     """The narrow model ``model.compile()``'d, alone and compressed at 4 bits inside its graphs with the kernel
-    encode and decode ops (``lightning_act::quantize``, ``::dequantize_buffer``: what CUDA with CuPy runs), turns taken;
-    (compressed step - the plain one) / the tensors the compiled graphs compress. Each compiles first."""
+    encode op (``lightning_act::quantize``: what CUDA with CuPy runs; the backward decodes by inlined traced ops),
+    turns taken; (compressed step - the plain one) / the tensors the compiled graphs compress. Each compiles
+    first."""
     hidden, min_numel = WIDTHS["narrow"]
     (plain_model, plain_loss), (model, loss_fn) = bert_base(layers, hidden=hidden), bert_base(layers, hidden=hidden)
     plain_model.compile()

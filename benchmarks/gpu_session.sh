@@ -7,11 +7,12 @@
 # 1. check_gpu.py: the driver launch against CuPy's call (alone first: see below), the kernels against the specification on the device, no host synchronisation, lorenzo's trim,
 #    the compiled (Triton) path, side-stream gradients, a compressed bf16 step, a compiled model (the kernel encode
 #    op), host µs per saved tensor (and a cProfile of those hooks);
-# 2. bench_kernel_sweep.py: what bounds the quantize kernels, and what each part of the encode costs (30-60 s);
+# 2. bench_gpu.py on BERT-base torch.compile'd (alone; 4-bit inside its graphs, the traced encode and the kernel
+#    encode op, whose backwards decode by inlined traced ops; with torch checkpointing), each compiling first
+#    (the compile times are reported);
 # 3. bench_gpu.py, the rows issue #20 judges (ResNet-50, then BERT-base in a process of its own: baseline, 4-bit,
 #    L1, torch checkpointing, 2-bit), each row with a profiled step (its kernel time; its ops in profiles/);
-# 4. bench_gpu.py on BERT-base torch.compile'd (alone, 4-bit inside its graphs, with torch checkpointing), each
-#    compiling first (the compile times are reported);
+# 4. bench_kernel_sweep.py: what bounds the quantize kernels, and what each part of the encode costs (30-60 s);
 # 5. bench_host_overhead.py --quick, the CPU proxy of the host figure on this host; bench_host_calls.py, host µs
 #    per call of each layer of the per-tensor path with the real kernels; bench_torch_path.py --device
 #    cuda: each codec's torch path, and two codecs' compiled pipeline, against the kernels (GB/s, how many times);
@@ -42,11 +43,21 @@ timeout 200 python benchmarks/check_gpu.py --out "$out/gpu_checks.md" --host-pro
     > "$out/gpu_checks.log" 2>&1
 echo "check_gpu.py: exit $?, $(left) s left"
 pack
-# what bounds the quantize kernels (grid, group size, bits, dtype against copy_ and the mask kernels; the encode
-# with one part of its work removed at a time): 30-60 s (run 6: over 60 s once, with a cold compile cache)
-timeout 120 python benchmarks/bench_kernel_sweep.py --out "$out/kernel_sweep_gpu.md" > "$out/kernel_sweep_gpu.log" 2>&1
-echo "bench_kernel_sweep.py: exit $?, $(left) s left"
-pack
+# torch.compile'd BERT-base first (never measured since its backward decodes by traced ops inlined by the sink
+# pass, no Python per saved tensor: the route to issue #20's targets), against the compiled model alone: the
+# traced encode (no Python per tensor in the forward either; with CUDA graphs between the graph's one count op),
+# then the kernel encode op; each configuration compiles first (about a minute each): --time-budget stops
+# starting configurations, timeout ends one still running (its rows so far are written)
+compiled=$(( $(left) < 200 ? $(left) : 200 ))
+if [ "$compiled" -gt 120 ]; then
+    timeout "$compiled" python benchmarks/bench_gpu.py --time-budget $(( compiled - 110 )) --models bert-base \
+        --configs baseline "compiled (reduce-overhead), 4-bit traced" "compiled, 4-bit traced" "compiled, 4-bit" \
+        compiled "compiled (reduce-overhead), 4-bit" "compiled, torch checkpoint" \
+        --out "$out/gpu_compiled.md" \
+        --profile "$out/profiles_compiled" > "$out/bench_gpu_compiled.log" 2>&1
+    echo "bench_gpu.py, compiled rows: exit $?, $(left) s left"
+    pack
+fi
 # issue #20's rows, each model in its own process (run 5: BERT-base's baseline after ResNet-50 in one process
 # spread from 48 to 61 ms, alone 39.4), about 70 s each; last, run 6's host split again (host ms per row: the
 # forward's host time with the hooks doing nothing, and with no kernel launched)
@@ -62,21 +73,11 @@ timeout "$core" python benchmarks/bench_gpu.py --time-budget $(( core - 30 )) --
     --out "$out/gpu_bert.md" --profile "$out/profiles" > "$out/bench_gpu_bert.log" 2>&1
 echo "bench_gpu.py, issue #20's BERT-base rows: exit $?, $(left) s left"
 pack
-# torch.compile'd BERT-base: compressed inside the graphs (the kernel encode op: no hooks per tensor at run time),
-# in the default mode and with CUDA graphs between the ops (reduce-overhead), against the compiled model alone
-# (measured in runs 2 and 4; run 5's traced decode ran as ATen ops one by one in the backward graph, so these come
-# after issue #20's rows); each configuration compiles first (about a minute each): --time-budget stops
-# starting configurations, timeout ends one still running (its rows so far are written)
-compiled=$(( $(left) < 200 ? $(left) : 200 ))
-if [ "$compiled" -gt 120 ]; then
-    timeout "$compiled" python benchmarks/bench_gpu.py --time-budget $(( compiled - 110 )) --models bert-base \
-        --configs baseline "compiled (reduce-overhead), 4-bit traced" "compiled, 4-bit" \
-        "compiled (reduce-overhead), 4-bit" "compiled, 4-bit traced" compiled "compiled, torch checkpoint" \
-        --out "$out/gpu_compiled.md" \
-        --profile "$out/profiles_compiled" > "$out/bench_gpu_compiled.log" 2>&1
-    echo "bench_gpu.py, compiled rows: exit $?, $(left) s left"
-    pack
-fi
+# what bounds the quantize kernels (grid, group size, bits, dtype against copy_ and the mask kernels; the encode
+# with one part of its work removed at a time): 30-60 s (run 6: over 60 s once, with a cold compile cache)
+timeout 120 python benchmarks/bench_kernel_sweep.py --out "$out/kernel_sweep_gpu.md" > "$out/kernel_sweep_gpu.log" 2>&1
+echo "bench_kernel_sweep.py: exit $?, $(left) s left"
+pack
 # the CPU proxy of the host check on this machine's CPU (no-op kernels): what the real launches add to it
 timeout 60 python benchmarks/bench_host_overhead.py --quick --out "$out/gpu_host_overhead_proxy.md" \
     > "$out/gpu_host_overhead_proxy.log" 2>&1

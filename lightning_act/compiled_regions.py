@@ -45,6 +45,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._subclasses.fake_tensor import is_fake
@@ -53,8 +54,7 @@ from .codecs._chunks import chunk_elements, spans
 from .codecs.base import Packed
 from .cuda.launcher import PART_ALIGN, OneBuffer, runner_override
 from .cuda.quantize import encoded_layout
-from .formats._bitpack import (PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_codes_traced,
-                               unpack_rows)
+from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_rows
 from .formats.compiled import quantize_groups
 from .formats.floats import CANONICAL_NAN, FLOAT_DTYPES, INT_VIEW
 from .formats.quantize import STATS_DTYPES
@@ -184,30 +184,56 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
 def decode_traced(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel, bits: int, group_size: int,
                   dtype: torch.dtype) -> torch.Tensor:
     """``dequantize_reference`` of :func:`encode_traced`'s parts as torch ops a graph can hold: a flat tensor of
-    ``numel`` (maybe symbolic) elements in ``dtype``, NaN canonical. Each group's statistics are broadcast by an
-    expand (indexing, no copy), so inductor fuses the decode into one loop, or into the op that reads it. The same
-    bits as the reference on CPU (inductor's C++ does not contract the multiply and the add); inductor's Triton may
-    fuse them into one rounding on a GPU."""
-    groups = mn.shape[0]
+    ``numel`` (maybe symbolic) elements in ``dtype``, NaN canonical. The same bits as the reference on CPU
+    (inductor's C++ does not contract the multiply and the add); inductor's Triton may fuse them into one rounding
+    on a GPU.
 
-    def per_element(stats: torch.Tensor) -> torch.Tensor:
-        return stats.float()[:, None].expand(groups, group_size).reshape(-1)[:numel]
+    Written for inductor's scheduler: the payload as one row of bytes per group (a group's codes fill whole bytes:
+    ``group_size`` is a multiple of 32), each byte's ``8 / bits`` codes decoded by shifts that are constants of the
+    graph, and the values interleaved by one ``stack``, the last op. A tensor of shifts (``arange``) would be one
+    buffer that every decode of a backward reads, and the scheduler then ran them all together as the backward
+    started (the uncompressed peak); a stack of codes before the arithmetic was a buffer of int32 codes as large as
+    the decoded tensor."""
+    groups, per_byte = mn.shape[0], 8 // bits
+    row = group_size // per_byte  # payload bytes per group
+    words = F.pad(payload.to(torch.int32), (0, groups * row - payload.shape[0])).view(groups, row)
+    scale, low = step.float()[:, None], mn.float()[:, None]
 
-    values = (unpack_codes_traced(payload, bits, numel).float() * per_element(step) + per_element(mn)).to(dtype)
-    # through the integer view: a NaN constant would be cast, and casts of NaN differ by device (formats.floats)
-    return torch.where(torch.isnan(values), CANONICAL_NAN[dtype], values.view(INT_VIEW[dtype])).view(dtype)
+    def values(codes: torch.Tensor) -> torch.Tensor:
+        x = (codes.float() * scale + low).to(dtype)
+        # through the integer view: a NaN constant would be cast, and casts of NaN differ by device (formats.floats)
+        return torch.where(torch.isnan(x), CANONICAL_NAN[dtype], x.view(INT_VIEW[dtype])).view(dtype)
+
+    if bits == 8:
+        return values(words).view(-1)[:numel]
+    mask = (1 << bits) - 1
+    return torch.stack([values((words >> shift) & mask) for shift in range(0, 8, bits)], dim=-1).view(-1)[:numel]
+
+
+def _bytes_of_bits(payload: torch.Tensor, values: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``values(flags)`` for each bit of a 1-bit payload (least significant first), interleaved by one ``stack``
+    (the last op, as in :func:`decode_traced`): ``(payload bytes, 8)``."""
+    words = payload.to(torch.int32)
+    return torch.stack([values(((words >> shift) & 1).bool(), shift) for shift in range(8)], dim=-1)
 
 
 def restore_signs_traced(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """:func:`restore_signs` as torch ops a graph can hold (a new tensor): at least the dtype's smallest normal
     where the 1-bit ``signs`` say the original was positive, at most 0 elsewhere."""
-    positive = unpack_codes_traced(signs, 1, values.numel()).bool()
-    return torch.where(positive, values.clamp(min=torch.finfo(values.dtype).tiny), values.clamp(max=0.0))
+    numel = values.shape[0]
+    padded = F.pad(values, (0, signs.shape[0] * 8 - numel)).view(-1, 8)
+    tiny = torch.finfo(values.dtype).tiny
+
+    def restored(positive: torch.Tensor, shift: int) -> torch.Tensor:
+        v = padded[:, shift]
+        return torch.where(positive, v.clamp(min=tiny), v.clamp(max=0.0))
+
+    return _bytes_of_bits(signs, restored).view(-1)[:numel]
 
 
 def unpack_mask_traced(payload: torch.Tensor, numel) -> torch.Tensor:
     """:func:`unpack_mask` as torch ops a graph can hold."""
-    return unpack_codes_traced(payload, 1, numel).bool()
+    return _bytes_of_bits(payload, lambda flags, shift: flags).view(-1)[:numel]
 
 
 def _buffer_parts(numel, bits: int, group_size: int, stats_dtype: torch.dtype) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import lightning_act as act
 from lightning_act import compiled_regions
-from lightning_act.formats._bitpack import pack_codes, pack_codes_traced, packed_nbytes, unpack_codes_traced
+from lightning_act.formats._bitpack import pack_codes, pack_codes_traced, packed_nbytes
 from lightning_act.cuda.launcher import use_runner
 from lightning_act.formats.quantize import dequantize_reference, quantize_reference
 from lightning_act.model_prep import has_compiled_parts
@@ -92,14 +92,6 @@ def test_the_decode_op_is_the_formats_decode_without_a_compressor(stats_dtype):
     payload, mn, step = compiled_regions.encode_traced(x, 2, 256, stats_dtype)
     decoded = torch.ops.lightning_act.dequantize(payload, mn, step, x.numel(), 2, 256, torch.float32, -1)
     assert torch.equal(decoded, dequantize_reference(payload, mn, step, x.numel(), 2, 256, torch.float32))
-
-
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 33, 1000])
-def test_traced_unpacking_is_unpack_codes(bits, n):
-    codes = torch.randint(0, 1 << bits, (n,), dtype=torch.uint8)
-    unpacked = unpack_codes_traced(pack_codes(codes.clone(), bits), bits, n)
-    assert unpacked.dtype == torch.int32 and torch.equal(unpacked, codes.int())
 
 
 def _encoded_with_specials(n: int, dtype: torch.dtype, bits: int, group: int, stats_dtype: torch.dtype):

@@ -78,16 +78,6 @@ def pack_codes_traced(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return packed.to(torch.uint8)
 
 
-def unpack_codes_traced(payload: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes_traced` (and :func:`pack_codes`) as ops a compiled graph can hold: the first
-    ``numel`` codes as int32, each byte shifted once per code it holds, which inductor fuses with the ops that read
-    the codes."""
-    if bits == 8:
-        return payload[:numel].to(torch.int32)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=payload.device)
-    return ((payload.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:numel]
-
-
 # 1 bit per element without pack_codes' padding copy and in-place passes: the mask codecs run once per ReLU and
 # dropout, so on a GPU their launch count is host time. Products wrap modulo 2**64, as torch's int64 multiply
 # does on CPU and CUDA.
