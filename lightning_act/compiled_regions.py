@@ -56,7 +56,7 @@ from .cuda.launcher import PART_ALIGN, OneBuffer, runner_override
 from .cuda.quantize import encoded_layout
 from .formats._bitpack import PACKABLE_BITS, bit_rows, pack_codes_traced, packed_nbytes, unpack_rows
 from .formats.compiled import quantize_groups
-from .formats.floats import CANONICAL_NAN, FLOAT_DTYPES, INT_VIEW
+from .formats.floats import CANONICAL_NAN, FLOAT_DTYPES, INT_VIEW, canonical_nan_
 from .formats.quantize import STATS_DTYPES
 from .stats import COMPRESSED, TensorRecord
 
@@ -182,58 +182,44 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
 
 
 def decode_traced(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel, bits: int, group_size: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, signs: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize_reference`` of :func:`encode_traced`'s parts as torch ops a graph can hold: a flat tensor of
-    ``numel`` (maybe symbolic) elements in ``dtype``, NaN canonical. The same bits as the reference on CPU
-    (inductor's C++ does not contract the multiply and the add); inductor's Triton may fuse them into one rounding
-    on a GPU.
+    ``numel`` (maybe symbolic) elements in ``dtype``, NaN canonical, with the 1-bit ``signs`` restored as
+    :func:`restore_signs` does when given. The same bits as the reference on CPU (inductor's C++ does not contract
+    the multiply and the add); inductor's Triton may fuse them into one rounding on a GPU.
 
-    Written for inductor's scheduler: the payload as one row of bytes per group (a group's codes fill whole bytes:
-    ``group_size`` is a multiple of 32), each byte's ``8 / bits`` codes decoded by shifts that are constants of the
-    graph, and the values interleaved by one ``stack``, the last op. A tensor of shifts (``arange``) would be one
-    buffer that every decode of a backward reads, and the scheduler then ran them all together as the backward
-    started (the uncompressed peak); a stack of codes before the arithmetic was a buffer of int32 codes as large as
-    the decoded tensor."""
-    groups, per_byte = mn.shape[0], 8 // bits
-    row = group_size // per_byte  # payload bytes per group
-    words = F.pad(payload.to(torch.int32), (0, groups * row - payload.shape[0])).view(groups, row)
+    Written for inductor's scheduler, eight elements at a time (``group_size`` is a multiple of 32, so a group
+    holds whole runs of eight: ``bits`` payload bytes, one byte of signs): element ``t`` of each run decoded by
+    shifts that are constants of the graph, and the eight interleaved by one ``stack``, the last op. A tensor of
+    shifts (``arange``) was one buffer every decode of a backward read, which the scheduler then ran together as
+    the backward started (the uncompressed peak); a stack before the arithmetic, or before the signs, was a
+    buffer as large as the decoded tensor."""
+    groups, per_byte, runs = mn.shape[0], 8 // bits, group_size // 8
+    words = F.pad(payload.to(torch.int32), (0, groups * runs * bits - payload.shape[0])).view(groups, runs, bits)
     scale, low = step.float()[:, None], mn.float()[:, None]
+    if signs is not None:
+        positive = F.pad(signs.to(torch.int32), (0, groups * runs - signs.shape[0])).view(groups, runs)
+        tiny = torch.finfo(dtype).tiny
 
-    def values(codes: torch.Tensor) -> torch.Tensor:
+    def value(t: int) -> torch.Tensor:
+        codes = words[:, :, t // per_byte]
+        if bits < 8:
+            codes = (codes >> (t % per_byte * bits)) & ((1 << bits) - 1)
         x = (codes.float() * scale + low).to(dtype)
-        # through the integer view: a NaN constant would be cast, and casts of NaN differ by device (formats.floats)
+        if signs is not None:
+            x = torch.where(((positive >> t) & 1).bool(), x.clamp(min=tiny), x.clamp(max=0.0))
+        # NaN last (a clamp of NaN may return another NaN), through the integer view: a NaN constant would be cast,
+        # and casts of NaN differ by device (formats.floats)
         return torch.where(torch.isnan(x), CANONICAL_NAN[dtype], x.view(INT_VIEW[dtype])).view(dtype)
 
-    if bits == 8:
-        return values(words).view(-1)[:numel]
-    mask = (1 << bits) - 1
-    return torch.stack([values((words >> shift) & mask) for shift in range(0, 8, bits)], dim=-1).view(-1)[:numel]
-
-
-def _bytes_of_bits(payload: torch.Tensor, values: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``values(flags)`` for each bit of a 1-bit payload (least significant first), interleaved by one ``stack``
-    (the last op, as in :func:`decode_traced`): ``(payload bytes, 8)``."""
-    words = payload.to(torch.int32)
-    return torch.stack([values(((words >> shift) & 1).bool(), shift) for shift in range(8)], dim=-1)
-
-
-def restore_signs_traced(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """:func:`restore_signs` as torch ops a graph can hold (a new tensor): at least the dtype's smallest normal
-    where the 1-bit ``signs`` say the original was positive, at most 0 elsewhere."""
-    numel = values.shape[0]
-    padded = F.pad(values, (0, signs.shape[0] * 8 - numel)).view(-1, 8)
-    tiny = torch.finfo(values.dtype).tiny
-
-    def restored(positive: torch.Tensor, shift: int) -> torch.Tensor:
-        v = padded[:, shift]
-        return torch.where(positive, v.clamp(min=tiny), v.clamp(max=0.0))
-
-    return _bytes_of_bits(signs, restored).view(-1)[:numel]
+    return torch.stack([value(t) for t in range(8)], dim=-1).view(-1)[:numel]
 
 
 def unpack_mask_traced(payload: torch.Tensor, numel) -> torch.Tensor:
-    """:func:`unpack_mask` as torch ops a graph can hold."""
-    return _bytes_of_bits(payload, lambda flags, shift: flags).view(-1)[:numel]
+    """:func:`unpack_mask` as torch ops a graph can hold (each bit by a constant shift, one ``stack`` last, as in
+    :func:`decode_traced`)."""
+    words = payload.to(torch.int32)
+    return torch.stack([((words >> t) & 1).bool() for t in range(8)], dim=-1).view(-1)[:numel]
 
 
 def _buffer_parts(numel, bits: int, group_size: int, stats_dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -254,13 +240,14 @@ def _buffer_bytes(numel, bits: int, group_size: int, stats_dtype: torch.dtype):
 
 
 def decode_buffer_traced(buffer: torch.Tensor, numel, bits: int, group_size: int, dtype: torch.dtype,
-                         stats_dtype: torch.dtype) -> torch.Tensor:
+                         stats_dtype: torch.dtype, signs: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode_traced` of the kernel encode's one buffer (:func:`quantize`): its parts as slices, the
     statistics viewed in their dtype."""
     (payload_at, payload_bytes), (mn_at, stats_bytes), (step_at, _), _ = _buffer_parts(numel, bits, group_size,
                                                                                         stats_dtype)
     mn, step = (buffer[at:at + stats_bytes].view(stats_dtype) for at in (mn_at, step_at))
-    return decode_traced(buffer[payload_at:payload_at + payload_bytes], mn, step, numel, bits, group_size, dtype)
+    return decode_traced(buffer[payload_at:payload_at + payload_bytes], mn, step, numel, bits, group_size, dtype,
+                         signs)
 
 
 @_op("quantize(Tensor x, int bits, int group_size, ScalarType stats_dtype, int owner) -> Tensor",
@@ -354,6 +341,7 @@ def restore_signs(values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         part = values[start:end]
         codes = signs[start // 8:(end + 7) // 8]
         torch.clamp(part, *(unpack_rows(codes, end - start, (-1,), table) for table in bounds), out=part)
+        canonical_nan_(part)  # a clamp of NaN returns another NaN (all ones in float32 and float64 on CPU)
     return values
 
 
@@ -708,20 +696,15 @@ def _traced_decode(node: torch.fx.Node) -> _Decode:
         buffer, numel, bits, group_size, dtype, stats_dtype, owner, *rest = node.args
         parts, carried = (buffer,), 0
 
-        def values(buffer, numel):
-            return decode_buffer_traced(buffer, numel, bits, group_size, dtype, stats_dtype)
+        def decode(buffer, numel, *signs):  # (make_fx traces every parameter: no defaults)
+            return decode_buffer_traced(buffer, numel, bits, group_size, dtype, stats_dtype, *signs)
     else:
         payload, mn, step, numel, bits, group_size, dtype, owner, *rest = node.args
         parts, carried, stats_dtype = (payload, mn, step), 1, mn.meta["val"].dtype
 
-        def values(payload, mn, step, numel):
-            return decode_traced(payload, mn, step, numel, bits, group_size, dtype)
+        def decode(payload, mn, step, numel, *signs):
+            return decode_traced(payload, mn, step, numel, bits, group_size, dtype, *signs)
     signs = rest[0] if rest else node.kwargs.get("signs")
-
-    def decode(*inputs):
-        if signs is None:
-            return values(*inputs)
-        return restore_signs_traced(values(*inputs[:-1]), inputs[-1])
 
     fields = (_QUANTIZE, _RECORD_DTYPES.index(dtype), bits, group_size, _STATS_DTYPES.index(stats_dtype),
               int(signs is not None))

@@ -141,13 +141,15 @@ def test_the_traced_decode_compiled_by_inductor_keeps_the_bits(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1, 9, 4099])
-def test_traced_signs_and_masks_are_the_ops_bit_for_bit(dtype, n):
-    values = torch.randn(n, dtype=torch.float64).to(dtype)
-    values[: n // 3] = 0.0
+@pytest.mark.parametrize("bits", [1, 4, 8])
+@pytest.mark.parametrize("n", [1, 9, 3 * 256 + 5])
+def test_traced_signs_and_masks_are_the_ops_bit_for_bit(dtype, bits, n):
+    """The decode with a ReLU output's signs restored in its loop, as the decode op restores them after; a mask
+    unpacked as the mask op does."""
+    payload, mn, step = _encoded_with_specials(n, dtype, bits, 256, torch.float32)
     signs = pack_codes_traced(torch.randn(n).gt(0).to(torch.uint8), 1)
-    assert_same_bits(compiled_regions.restore_signs_traced(values, signs),
-                     compiled_regions.restore_signs(values.clone(), signs))
+    assert_same_bits(compiled_regions.decode_traced(payload, mn, step, n, bits, 256, dtype, signs),
+                     torch.ops.lightning_act.dequantize(payload, mn, step, n, bits, 256, dtype, -1, signs))
     assert torch.equal(compiled_regions.unpack_mask_traced(signs, n),
                        torch.ops.lightning_act.unpack_mask(signs, n, -1))
 
