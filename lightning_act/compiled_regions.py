@@ -739,11 +739,11 @@ def _inline_decodes(graph: torch.fx.Graph) -> None:
                        f"tracing the decode failed on torch {torch.__version__} ({type(error).__name__}: {error})")
             return
     position = {node: i for i, node in enumerate(graph.nodes)}
-    carriers = {}  # owner -> the first of its decodes in the graph, which carries the count
-    for decode, _ in traced:
-        first = carriers.get(decode.owner)
-        if first is None or position[decode.node] < position[first.node]:
-            carriers[decode.owner] = decode
+    carriers = {}  # owner -> the decode that carries the count: the first after every symbolic size it counts
+    for owner in {decode.owner for decode, _ in traced}:
+        decodes = sorted((d for d, _ in traced if d.owner == owner), key=lambda d: position[d.node])
+        sizes = max((position[d.numel] for d in decodes if isinstance(d.numel, torch.fx.Node)), default=-1)
+        carriers[owner] = next((d for d in decodes if position[d.node] > sizes), decodes[-1])
     for decode, replacement in traced:
         inputs = list(decode.inputs)
         with graph.inserting_before(decode.node):
