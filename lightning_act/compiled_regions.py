@@ -666,8 +666,7 @@ def record_decoded(carried: torch.Tensor, owner: int, numels: list[int], fields:
         if codec == _BITMASK:
             hooks.record(numel, torch.bool, 1, packed_nbytes(numel, 1), codec="bitmask")
             continue
-        groups = -(-numel // group_size)
-        stored = packed_nbytes(numel, bits) + 2 * groups * _STATS_DTYPES[stats].itemsize
+        stored = encoded_layout(numel, bits, group_size, _STATS_DTYPES[stats]).nbytes  # payload, mn, step
         hooks.record(numel, _RECORD_DTYPES[dtype], bits, stored + (packed_nbytes(numel, 1) if signs else 0))
     return carried.clone()
 
