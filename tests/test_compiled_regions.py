@@ -3,6 +3,7 @@ inlines into compiled graphs, the decode op, the pass that places it, and the en
 around compiled graphs. Each compiling test costs an inductor compilation (seconds): models are small."""
 import contextlib
 import math
+import re
 import warnings
 
 import pytest
@@ -138,6 +139,40 @@ def test_the_traced_decode_compiled_by_inductor_keeps_the_bits(dtype):
     assert_same_bits(decode(payload, mn, step, n, bits, group, dtype),
                      dequantize_reference(payload, mn, step, n, bits, group, dtype))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("signs", [False, True], ids=["values", "signs"])
+@pytest.mark.parametrize("reader, full_size_buffers", [("convolutions", ["torch.float32"]), ("reductions", [])])
+def test_inductor_writes_a_decode_out_only_for_readers_that_need_it_in_memory(reader, full_size_buffers, signs):
+    """A ReLU output read by two convolutions' backwards (a ResNet block's, channels_last) must be in memory: one
+    float buffer of its size, not an integer one beside it (the NaN select made in the integer view, last). Read by
+    batch norm's backward (per-channel sums) it need not be: inductor decodes inside the reduction's loops, where a
+    ``stack`` of the bit fields was a concatenation inductor's C++ writes out."""
+    from torch._inductor.utils import run_and_get_code
+
+    batch, channels, side, bits = 2, 64, 4, 4
+    n = batch * channels * side * side
+    payload, mn, step = quantize_reference(torch.randn(n), bits, 256, torch.float32, seed=0, key=1)
+    packed_signs = pack_codes_traced(torch.randn(n).gt(0).to(torch.uint8), 1) if signs else None
+    weights = [torch.randn(out, channels, 1, 1) for out in (8, 16)]
+    grads = [torch.randn(batch, out, side, side).to(memory_format=torch.channels_last) for out in (8, 16, channels)]
+
+    def backward(payload, mn, step, packed_signs):
+        decoded = compiled_regions.decode_traced(payload, mn, step, n, bits, 256, torch.float32, packed_signs)
+        x = decoded.view(batch, side, side, channels).permute(0, 3, 1, 2)
+        if reader == "reductions":
+            return [(x * grads[-1]).sum(dim=(0, 2, 3)), x.sum(dim=(0, 2, 3))]
+        return [torch.ops.aten.convolution_backward(grad, x, weight, [0], [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                                    [False, True, False])[1] for grad, weight in zip(grads, weights)]
+
+    compiled, (code,) = run_and_get_code(torch.compile(backward, fullgraph=True), payload, mn, step, packed_signs)
+    eager = backward(payload, mn, step, packed_signs)
+    torch._dynamo.reset()
+    for got, expected in zip(compiled, eager):
+        torch.testing.assert_close(got, expected)
+    buffers = re.findall(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), (torch\.\w+)\)", code)
+    assert [dtype for shape, dtype in buffers
+            if math.prod(int(d) for d in shape.split(",") if d.strip()) == n] == full_size_buffers, code
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

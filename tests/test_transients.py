@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import lightning_act as act
 from lightning_act.formats.quantize import chunk_elements
-from lightning_act.profiling import measure_step_memory, peak_breakdown
+from lightning_act.profiling import measure_step_memory
 
 MiB = 2**20
 N = 1 << 22  # 4 Mi elements: 16 MiB of float32, 4 MiB of bool, 0.5 MiB at 1 bit
