@@ -181,50 +181,48 @@ def encode_traced(x: torch.Tensor, bits: int, group_size: int, stats_dtype: torc
     return pack_codes_traced(codes.view(-1)[:n], bits), mn, step
 
 
-def _bit_fields(payload: torch.Tensor, bits: int) -> torch.Tensor:
-    """The ``bits``-wide fields of ``payload`` (uint8), least significant first, as int32: element ``e`` is bits
-    ``e * bits`` onwards of the byte stream, the format's packing (:func:`pack_codes_traced`).
-
-    One pointwise expression of the bytes (each byte's fields by a shift the element's index gives), which
-    inductor computes inside the loops that read it: a ``stack`` of the fields is a concatenation, which
-    inductor's C++ backend always writes to a buffer as large as the decoded tensor (its GPU backend unless every
-    reader is pointwise). The shifts are each decode's own ``arange``: one tensor shared by the decodes of a backward
-    was one buffer they all read, which the scheduler then ran together as the backward started."""
-    words = payload.to(torch.int32)
-    if bits == 8:
-        return words
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=payload.device)
-    return ((words[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)
-
-
 def decode_traced(payload: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, numel, bits: int, group_size: int,
                   dtype: torch.dtype, signs: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize_reference`` of :func:`encode_traced`'s parts as torch ops a graph can hold: a flat tensor of
     ``numel`` (maybe symbolic) elements in ``dtype``, NaN canonical, with the 1-bit ``signs`` restored as
     :func:`restore_signs` does when given. The same bits as the reference on CPU (inductor's C++ does not contract
-    the multiply and the add); inductor's Triton may fuse them into one rounding on a GPU, and, computing 16-bit
-    floats in float32, store a bfloat16 or float16 NaN as the GPU's own NaN. Pointwise throughout
-    (:func:`_bit_fields`), so that inductor decodes inside the loops that read the tensor."""
-    groups = mn.shape[0]
-    padded = groups * group_size
-    codes = F.pad(payload, (0, padded * bits // 8 - payload.shape[0]))
-    x = (_bit_fields(codes, bits).view(groups, group_size).float() * step.float()[:, None]
-         + mn.float()[:, None]).to(dtype)
+    the multiply and the add); inductor's Triton may fuse them into one rounding on a GPU.
+
+    Written for inductor's scheduler, eight elements at a time (``group_size`` is a multiple of 32, so a group
+    holds whole runs of eight: ``bits`` payload bytes, one byte of signs): element ``t`` of each run decoded by
+    shifts that are constants of the graph, and the eight interleaved by one ``stack``, the last op. A tensor of
+    shifts (``arange``) was one buffer every decode of a backward read, which the scheduler then ran together as
+    the backward started (the uncompressed peak); a stack before the arithmetic, or before the signs, was a
+    buffer as large as the decoded tensor. Inductor's C++ writes the stack out (a concatenation there always is)
+    where its Triton may fuse it into pointwise readers; a pointwise form instead (each element's shift from its
+    index) compiled to scalar C++, and ResNet-50's compiled 4-bit step took 1.22-1.53x the compiled one against
+    1.10x (``benchmarks/results/compiled_inline.md``)."""
+    groups, per_byte, runs = mn.shape[0], 8 // bits, group_size // 8
+    words = F.pad(payload.to(torch.int32), (0, groups * runs * bits - payload.shape[0])).view(groups, runs, bits)
+    scale, low = step.float()[:, None], mn.float()[:, None]
     if signs is not None:
+        positive = F.pad(signs.to(torch.int32), (0, groups * runs - signs.shape[0])).view(groups, runs)
         tiny = torch.finfo(dtype).tiny
-        positive = _bit_fields(F.pad(signs, (0, padded // 8 - signs.shape[0])), 1).view(groups, group_size).bool()
-        x = torch.where(positive, x.clamp(min=tiny), x.clamp(max=0.0))
-    # NaN last (a clamp of NaN may return another NaN), its bits made in the integer view: a NaN constant would be
-    # cast, and casts of NaN differ by device (formats.floats). The last select is in the float dtype: where the last
-    # op was the integer view, inductor wrote the integer select out, then a float copy for a convolution to read
-    isnan = torch.isnan(x)
-    nan = torch.where(isnan, CANONICAL_NAN[dtype], x.view(INT_VIEW[dtype])).view(dtype)
-    return torch.where(isnan, nan, x).view(-1)[:numel]
+
+    def value(t: int) -> torch.Tensor:
+        codes = words[:, :, t // per_byte]
+        if bits < 8:
+            codes = (codes >> (t % per_byte * bits)) & ((1 << bits) - 1)
+        x = (codes.float() * scale + low).to(dtype)
+        if signs is not None:
+            x = torch.where(((positive >> t) & 1).bool(), x.clamp(min=tiny), x.clamp(max=0.0))
+        # NaN last (a clamp of NaN may return another NaN), through the integer view: a NaN constant would be cast,
+        # and casts of NaN differ by device (formats.floats)
+        return torch.where(torch.isnan(x), CANONICAL_NAN[dtype], x.view(INT_VIEW[dtype])).view(dtype)
+
+    return torch.stack([value(t) for t in range(8)], dim=-1).view(-1)[:numel]
 
 
 def unpack_mask_traced(payload: torch.Tensor, numel) -> torch.Tensor:
-    """:func:`unpack_mask` as torch ops a graph can hold, pointwise (:func:`_bit_fields`)."""
-    return _bit_fields(payload, 1).bool()[:numel]
+    """:func:`unpack_mask` as torch ops a graph can hold (each bit by a constant shift, one ``stack`` last, as in
+    :func:`decode_traced`)."""
+    words = payload.to(torch.int32)
+    return torch.stack([((words >> t) & 1).bool() for t in range(8)], dim=-1).view(-1)[:numel]
 
 
 def _buffer_parts(numel, bits: int, group_size: int, stats_dtype: torch.dtype) -> list[tuple[int, int]]:
