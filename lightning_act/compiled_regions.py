@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import warnings
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -59,6 +58,7 @@ from .formats.compiled import quantize_groups
 from .formats.floats import CANONICAL_NAN, FLOAT_DTYPES, INT_VIEW, canonical_nan_
 from .formats.quantize import STATS_DTYPES
 from .stats import COMPRESSED, TensorRecord
+from ._warn import warn_user
 
 if TYPE_CHECKING:
     from .engine import ActivationCompressor
@@ -762,7 +762,7 @@ def _inline_decodes(graph: torch.fx.Graph) -> None:
 
 @functools.cache
 def _warn_once(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    warn_user(message, RuntimeWarning)
 
 
 def install_sink_pass() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 import weakref
 from typing import Iterator
 
@@ -32,6 +31,7 @@ from .nn.attention import use_chunked_attention
 from .nn.blpa import convert_bn_relu
 from .nn.bounded_cnn import convert_bounded_cnn, is_bounded, unconvert_bounded_cnn
 from .nn.bounded_ffn import convert_bounded_ffn, is_bounded_ffn, unconvert_bounded_ffn
+from ._warn import warn_user
 
 
 class BLPAConversion:
@@ -112,17 +112,16 @@ class CompiledRegions:
         from . import compiled_regions
 
         if not compiled_regions.supported():
-            warnings.warn(
+            warn_user(
                 f"lightning_act: the model has torch.compile'd parts; torch {torch.__version__} runs saved-tensor "
                 f"hooks after a compiled forward, so activations inside compiled regions are not compressed "
-                f"(pytorch#148222; torch 2.8 and later inline them). Compress an uncompiled model to save memory.",
-                stacklevel=3)
+                f"(pytorch#148222; torch 2.8 and later inline them). Compress an uncompiled model to save memory.")
             return
         if not compiled_regions.compresses_in_graph(config):
-            warnings.warn(
+            warn_user(
                 f"lightning_act: the model has torch.compile'd parts; inside them only codec='quantize' at 1, 2, 4 "
                 f"or 8 bits compresses floats, so with codec={config.codec!r}, bits={config.bits} their float "
-                f"activations are kept as they are (eager code still uses the config)", stacklevel=3)
+                f"activations are kept as they are (eager code still uses the config)")
         compressor.graph_hooks = compiled_regions.GraphHooks(compressor)
 
     def forward_context(self, compressor: ActivationCompressor) -> contextlib.AbstractContextManager[None]:
@@ -149,10 +148,9 @@ class HuggingFaceLayers:
             routed = stack.enter_context(use_compressed_checkpointing(model, compressor, config.checkpointing))
             if config.checkpointing and not routed and compressor not in self._warned:
                 self._warned.add(compressor)
-                warnings.warn(
+                warn_user(
                     f"lightning_act: opt_level={config.opt_level!r} checkpoints HuggingFace layers, and "
-                    f"{type(model).__name__} has none; wrap segments with lightning_act.checkpoint(fn, *args)",
-                    stacklevel=5)
+                    f"{type(model).__name__} has none; wrap segments with lightning_act.checkpoint(fn, *args)")
             if config.efficient_attention:
                 stack.enter_context(use_chunked_attention(model))
             yield

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from .config import ACTConfig, resolve_config
 from .engine import ActivationCompressor
 from .fsdp import fsdp_modules, shard_blocks
+from ._warn import warn_user
 
 STRATEGY_NAMES = ("act", "act_ddp", "act_ddp_spawn", "act_fsdp")
 
@@ -61,11 +61,11 @@ class _ACTStrategyMixin:
             if model.automatic_optimization:
                 trainer.callbacks.append(AutoPrecision())
             else:
-                warnings.warn(
+                warn_user(
                     "lightning_act: auto-precision replays training_step, which steps the optimizer under manual "
                     f"optimization; every tensor gets the fixed bits={self.act_config.bits}. Call "
                     "AutoPrecision(compressor).maybe_adapt(step, forward_backward_fn) from training_step to adapt, "
-                    "or pass ACTConfig(adaptive=False) to silence this.", stacklevel=2)
+                    "or pass ACTConfig(adaptive=False) to silence this.")
         if self.act_config.memory_budget is not None and not any(isinstance(c, MemoryBudget)
                                                                  for c in trainer.callbacks):
             trainer.callbacks.append(MemoryBudget())

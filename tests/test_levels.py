@@ -1,6 +1,7 @@
 """GACT levels beyond L1: swap with prefetch (L2), compressed checkpointing (CB1), chunked attention (CB2)."""
 import copy
 import gc
+import inspect
 
 import pytest
 import torch
@@ -166,11 +167,14 @@ def test_cb1_level_checkpoints_hf_layers_for_the_step_only():
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-def test_cb1_warns_when_nothing_to_checkpoint():
+def test_cb1_warns_when_nothing_to_checkpoint_at_the_users_line():
     model = mlp()
     compressor = act.ActivationCompressor(model, act.ACTConfig(opt_level="CB1"))
-    with pytest.warns(UserWarning, match="has none; wrap segments with lightning_act.checkpoint"):
-        flat_grad(model, lambda: model(torch.randn(4, 64)).sum(), compressor)
+    with pytest.warns(UserWarning, match="has none; wrap segments with lightning_act.checkpoint") as w:
+        line = inspect.currentframe().f_lineno + 1
+        with compressor.compress():  # eight frames above the warning, through three context managers
+            model(torch.randn(4, 64)).sum().backward()
+    assert (w[0].filename, w[0].lineno) == (__file__, line)
 
 
 # ---- CB2: chunked attention ----------------------------------------------------------------------------------

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .._warn import warn_user
 from ..config import ACTConfig
 from ..engine import ActivationCompressor, PolicyHandle
 from .allocation import CANDIDATE_BITS, allocate_bits, compression_variance
@@ -85,13 +85,13 @@ class AutoPrecision:
         """Make ``compressor`` take its per-tensor bits from this allocation."""
         self._attach(compressor)
 
-    def _attach(self, compressor: ActivationCompressor) -> None:  # one frame below the user's call, for warnings
+    def _attach(self, compressor: ActivationCompressor) -> None:
         self.detach()
         if compressor.graph_hooks is not None:
-            warnings.warn(
+            warn_user(
                 f"lightning_act: the model has torch.compile'd parts, whose activations take the config's "
                 f"bits={compressor.config.bits}; auto-precision allocates bits to eager code's tensors only, so "
-                f"its rounds are skipped (ACTConfig(adaptive=False) says so without this warning)", stacklevel=3)
+                f"its rounds are skipped (ACTConfig(adaptive=False) says so without this warning)")
         self.compressor = compressor
         self._recorder = LayoutRecorder(compressor)
         self._policy = compressor.install_policy(bits=self._recorder.wrap(self.bits_for))
@@ -224,7 +224,7 @@ class AutoPrecision:
                        f"the gradient's sampling variance (alert_ratio={self.setting('alert_ratio')}) at "
                        f"bit_budget={self.setting('bit_budget')}; training may converge worse: raise bit_budget")
             log.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warn_user(message, RuntimeWarning)
 
 
 def _state(layout: Layout, bits: list[int], sensitivities: list[float], cursor: int) -> dict[str, Any]:

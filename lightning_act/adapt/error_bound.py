@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -47,6 +46,7 @@ from .._validate import check_int, check_positive_float
 from ..codecs import Codec
 from ..codecs.lorenzo import LorenzoCodec
 from ..engine import PolicyHandle
+from .._warn import warn_user
 
 PAPER_COEFFICIENT = 0.32
 PAPER_MOMENTUM_FRACTION = 0.01
@@ -279,10 +279,10 @@ class ErrorBoundController:
         if without_momentum and not self._warned_no_momentum:
             self._warned_no_momentum = True
             given = type(self.optimizer).__name__ if self.optimizer is not None else "no optimizer"
-            warnings.warn(
+            warn_user(
                 f"lightning_act: {given} keeps no momentum for layers {', '.join(without_momentum)}; their lorenzo "
                 f"error bound stays at fallback_error_bound={self.fallback_error_bound:g}. Use SGD with momentum, "
-                "Adam or AdamW to adapt it (Jin et al. eq. 9).", stacklevel=2)
+                "Adam or AdamW to adapt it (Jin et al. eq. 9).")
         self._codecs = {b: c for b, c in self._codecs.items() if b in self.error_bounds.values()}
         return changed
 

@@ -43,7 +43,6 @@ import contextlib
 import functools
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -61,6 +60,7 @@ from ..profiling import measure_step_memory
 from ..stats import COMPRESSED, KEPT
 from .allocation import variance_factor
 from .sensitivity import preserved_training_state
+from .._warn import warn_user
 
 QUANTIZE_BITS = {"keep": 32, "q8": 8, "q4": 4, "q2": 2}
 OPTIONS = ("keep", "q8", "q4", "q2", "checkpoint", "swap")
@@ -338,9 +338,8 @@ class MemoryBudget:
                             p.grad = None
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
-                        warnings.warn("lightning_act memory_budget: the profiling pass with every unit checkpointed "
-                                      "ran out of memory; planning without checkpointing", RuntimeWarning,
-                                      stacklevel=2)
+                        warn_user("lightning_act memory_budget: the profiling pass with every unit checkpointed "
+                                  "ran out of memory; planning without checkpointing", RuntimeWarning)
                 plan = self._solve(model, target, byte_seconds, swap_seconds, device)
                 self.apply(plan.options)
                 rewind()
@@ -358,11 +357,11 @@ class MemoryBudget:
         self.apply(plan.options)
         if plan.measured_peak_bytes > self.budget_bytes:
             peak = max(plan.predicted_peak_bytes, plan.measured_peak_bytes)
-            warnings.warn(
+            warn_user(
                 f"lightning_act memory_budget={_mib(self.budget_bytes)} cannot be met: the best plan found "
                 f"peaks at {_mib(peak)}, {_mib(peak - self.budget_bytes)} short ({_mib(plan.base_bytes)} of the "
                 "peak is weights' gradients and what the step holds besides saved activations); using that plan. "
-                "Lower the batch size or raise the budget.", RuntimeWarning, stacklevel=2)
+                "Lower the batch size or raise the budget.", RuntimeWarning)
         self.last_plan = plan
         return plan
 

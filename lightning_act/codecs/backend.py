@@ -5,13 +5,12 @@ path through ``torch.compile`` where a format has a compiled pipeline (quantize:
 reference elsewhere; never the kernels."""
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .. import cuda
 from .._validate import check_choice
 from ..cuda.launcher import runner_override
+from .._warn import warn_user
 
 BACKENDS = ("auto", "torch", "cupy", "compile")
 
@@ -61,8 +60,8 @@ def _warn_torch_path_on_cuda() -> None:
     global _warned_torch_path_on_cuda
     if not _warned_torch_path_on_cuda:
         _warned_torch_path_on_cuda = True
-        warnings.warn("lightning_act: CuPy is not installed, so activations on CUDA are compressed by the pure-torch "
-                      f"path, 22-125x slower than the CUDA kernels on an H100: {cuda.INSTALL_HINT}. "
-                      "ACTConfig(backend='compile') runs quantize and division through torch.compile instead (4-7x "
-                      "slower than the kernels there, after seconds of compiling per format); "
-                      "ACTConfig(backend='torch') chooses the plain path and silences this warning.", stacklevel=3)
+        warn_user("lightning_act: CuPy is not installed, so activations on CUDA are compressed by the pure-torch "
+                  f"path, 22-125x slower than the CUDA kernels on an H100: {cuda.INSTALL_HINT}. "
+                  "ACTConfig(backend='compile') runs quantize and division through torch.compile instead (4-7x "
+                  "slower than the kernels there, after seconds of compiling per format); "
+                  "ACTConfig(backend='torch') chooses the plain path and silences this warning.")

@@ -13,13 +13,14 @@ import functools
 import os
 import struct
 import threading
-import warnings
 from collections.abc import Mapping
 from importlib import resources
 from typing import Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
+
+from .._warn import warn_user
 
 # NVRTC options; tests/test_nvcc_compile.py compiles with the same ones. Kernels use explicit __f*_rn ops
 # where the spec needs exact IEEE results; --fmad=false also keeps the compiler from contracting any other.
@@ -194,9 +195,9 @@ class CupyRunner:
         except Exception as error:
             if self._driver_chosen:
                 raise
-            warnings.warn(f"lightning_act: launching {kernel} through cupy.cuda.driver.launchKernel failed "
-                          f"({type(error).__name__}: {error}); kernels launch through CuPy's own call from now on "
-                          f"({LAUNCH_ENV}=cupy skips this attempt)", RuntimeWarning, stacklevel=2)
+            warn_user(f"lightning_act: launching {kernel} through cupy.cuda.driver.launchKernel failed "
+                      f"({type(error).__name__}: {error}); kernels launch through CuPy's own call from now on "
+                      f"({LAUNCH_ENV}=cupy skips this attempt)", RuntimeWarning)
             self.launch_mode, self._launch = "cupy", self._launch_call
             self._launch_call(source, kernel, grid, block, args, shared_mem, index)
         else:

@@ -22,7 +22,6 @@ wrapper calls the patched forward of the module it wraps).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 from torch import nn
@@ -30,6 +29,7 @@ from torch import nn
 from ..config import ACTConfig
 from ..engine import ActivationCompressor, active_compressor
 from ..model_prep import compiled_wrapper
+from .._warn import warn_user
 
 # instance attribute holding the compressor of a patched module; its presence marks the module as patched (both
 # attributes go in the module's own __dict__: a compile wrapper's setattr would pass them to the module it wraps)
@@ -61,11 +61,10 @@ def compress_forward(model: nn.Module, config: ACTConfig | str | dict | Activati
         raise ValueError(f"{type(module).__name__} is already patched by compress_forward; call unpatch(model) first")
     compressor = config if isinstance(config, ActivationCompressor) else ActivationCompressor(module, config)
     if compressor.config.memory_budget is not None:
-        warnings.warn(
+        warn_user(
             f"lightning_act: memory_budget={compressor.config.memory_budget} needs a planning step, which "
             "compress_forward does not run; call lightning_act.adapt.memory_budget.MemoryBudget(compressor, "
-            "budget).plan(forward_backward_fn) once before training (compressor = compress_forward(...))",
-            stacklevel=2)
+            "budget).plan(forward_backward_fn) once before training (compressor = compress_forward(...))")
     if "forward" in module.__dict__:
         module.__dict__[_ORIGINAL_ATTR] = module.__dict__["forward"]
     inner_forward = module.forward
