@@ -143,7 +143,8 @@ def test_the_traced_decode_compiled_by_inductor_keeps_the_bits(dtype):
 
 @pytest.mark.parametrize("signs", [False, True], ids=["values", "signs"])
 @pytest.mark.parametrize("reader", ["convolutions", "reductions"])
-def test_inductor_writes_a_decode_out_at_most_once_in_its_dtype(reader, signs):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inductor_writes_a_decode_out_at_most_once_in_its_dtype(dtype, reader, signs):
     """A ReLU output read by two convolutions' backwards (a ResNet block's, channels_last) or by batch norm's
     (per-channel sums): at most one buffer of its size, in its float dtype. A NaN select made last in the integer
     view was an integer buffer and a float copy; signs restored after the stack, a second buffer."""
@@ -151,13 +152,14 @@ def test_inductor_writes_a_decode_out_at_most_once_in_its_dtype(reader, signs):
 
     batch, channels, side, bits = 2, 64, 4, 4
     n = batch * channels * side * side
-    payload, mn, step = quantize_reference(torch.randn(n), bits, 256, torch.float32, seed=0, key=1)
+    payload, mn, step = quantize_reference(torch.randn(n, dtype=dtype), bits, 256, torch.float32, seed=0, key=1)
     packed_signs = pack_codes_traced(torch.randn(n).gt(0).to(torch.uint8), 1) if signs else None
-    weights = [torch.randn(out, channels, 1, 1) for out in (8, 16)]
-    grads = [torch.randn(batch, out, side, side).to(memory_format=torch.channels_last) for out in (8, 16, channels)]
+    weights = [torch.randn(out, channels, 1, 1, dtype=dtype) for out in (8, 16)]
+    grads = [torch.randn(batch, out, side, side, dtype=dtype).to(memory_format=torch.channels_last)
+             for out in (8, 16, channels)]
 
     def backward(payload, mn, step, packed_signs):
-        decoded = compiled_regions.decode_traced(payload, mn, step, n, bits, 256, torch.float32, packed_signs)
+        decoded = compiled_regions.decode_traced(payload, mn, step, n, bits, 256, dtype, packed_signs)
         x = decoded.view(batch, side, side, channels).permute(0, 3, 1, 2)
         if reader == "reductions":
             return [(x * grads[-1]).sum(dim=(0, 2, 3)), x.sum(dim=(0, 2, 3))]
@@ -171,7 +173,7 @@ def test_inductor_writes_a_decode_out_at_most_once_in_its_dtype(reader, signs):
         torch.testing.assert_close(got, expected)
     buffers = re.findall(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), (torch\.\w+)\)", code)
     assert [dtype for shape, dtype in buffers
-            if math.prod(int(d) for d in shape.split(",") if d.strip()) == n] == ["torch.float32"], code
+            if math.prod(int(d) for d in shape.split(",") if d.strip()) == n] == [str(dtype)], code
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
