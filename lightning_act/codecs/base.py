@@ -12,7 +12,6 @@ from ..cuda.launcher import KernelRunner, OneBuffer, default_runner, runner_over
 from . import backend
 
 _MAX_ROUTES = 64
-_UNDECIDED = object()
 
 
 @dataclass
@@ -96,25 +95,24 @@ class Codec(ABC):
     def runs_kernels(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
         """Whether encoding ``t`` (or decoding buffer ``t`` into values of ``dtype``) runs the kernels rather than
         the format's torch reference: :func:`lightning_act.codecs.backend.uses_kernels` decides, once per device,
-        dtype and installed runner (:func:`~lightning_act.cuda.launcher.use_runner`)."""
-        return self.kernel_runner(t, dtype or t.dtype) is not None
-
-    _routes: dict | None = None  # (device, dtype, installed runner) -> the runner for the kernels or None
-
-    def kernel_runner(self, t: torch.Tensor, dtype: torch.dtype) -> KernelRunner | None:
-        """The runner that launches this codec's kernels on ``t`` when :meth:`runs_kernels`, else ``None``. Codecs
-        ask for every saved tensor, so after the first answer it is one dictionary lookup."""
-        key = (t.device, dtype, runner_override())
+        dtype and installed runner (:func:`~lightning_act.cuda.launcher.use_runner`); codecs ask for every saved
+        tensor, so later answers are a lookup."""
+        dtype = dtype or t.dtype
         routes = self._routes
-        if routes is not None:
-            runner = routes.get(key, _UNDECIDED)
-            if runner is not _UNDECIDED:
-                return runner
+        key = (t.device, dtype, runner_override())
+        if routes is not None and key in routes:
+            return routes[key]
         uses = backend.uses_kernels(self.backend, t, self.kernels_take(dtype))  # raises on a bad device: never kept
         if routes is None or len(routes) >= _MAX_ROUTES:
             routes = self._routes = {}  # (tests install many runners; a model meets a few devices and dtypes)
-        runner = routes[key] = default_runner() if uses else None
-        return runner
+        routes[key] = uses
+        return uses
+
+    _routes: dict | None = None  # (device, dtype, installed runner) -> runs_kernels, per instance
+
+    def kernel_runner(self, t: torch.Tensor, dtype: torch.dtype) -> KernelRunner | None:
+        """The runner that launches this codec's kernels on ``t`` when :meth:`runs_kernels`, else ``None``."""
+        return default_runner() if self.runs_kernels(t, dtype) else None
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         """Payload bits per element of ``x`` (for statistics; ``packed``, its encoding, for codecs whose size
