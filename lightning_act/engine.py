@@ -580,19 +580,22 @@ class ActivationCompressor:
         return {t.untyped_storage().data_ptr() for t in map(_local_tensor, tensors)
                 if t.layout == torch.strided and torch._C._has_storage(t)}
 
-    def codec_for(self, index: int, t: torch.Tensor) -> Codec:
+    def codec_for(self, index: int, t: torch.Tensor, minimum_bits: int | None = None) -> Codec:
         """The codec for float or bool saved tensor number ``index`` of the step: the lossless codec registered
-        for its dtype (1 bit for bool tensors), else the configured codec at the bits the ``bits_policy`` assigns."""
+        for its dtype (1 bit for bool tensors), else the ``codec_policy``'s, else the configured codec at the bits
+        the ``bits_policy`` assigns; raised to ``minimum_bits`` where an op rule asks for it
+        (:class:`~lightning_act.codecs.op_rules.MinimumBits`)."""
         dtype_codec = codecs.dtype_codec(t.dtype)
         if dtype_codec is not None:
             return self.codec(dtype_codec)
         policies = self._policies
-        if policies["codec"] is not None:
-            codec = policies["codec"](index, t)
-            if codec is not None:
-                return codec
-        bits = policies["bits"](index, t) if policies["bits"] is not None else None
-        return self.codec(self.config.codec, bits)
+        codec = policies["codec"](index, t) if policies["codec"] is not None else None
+        if codec is None:
+            bits = policies["bits"](index, t) if policies["bits"] is not None else None
+            codec = self.codec(self.config.codec, bits)
+        if minimum_bits is not None and not _holds_bits(codec, minimum_bits):
+            return self.codec(codec.name if "bits" in codec.config_fields else "quantize", minimum_bits)
+        return codec
 
     def noise_key(self, index: int, step: "_Step | None" = None) -> int:
         """Random-stream key of saved tensor ``index`` in ``step`` (default: this thread's current step)."""
@@ -768,15 +771,17 @@ class ActivationCompressor:
             if config.swap and t.is_floating_point() and numel >= max(config.min_numel, 1):
                 return self.codec("none"), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
-        codec = None
+        codec = minimum_bits = None
         tracker = step.tracker
         if tracker is not None and numel >= config.min_numel:
-            # the saving function's rule first: it may store masks or indices losslessly
+            # the saving function's rule first: it may store masks or indices losslessly, or ask for precision
             call = tracker.current
             rule = op_rules.OP_RULES.get(call.func) if call is not None else None
             if rule is not None:
                 codec = rule(t, call)
-                if codec is not None and codec.backend != config.backend:
+                if type(codec) is op_rules.MinimumBits:
+                    codec, minimum_bits = None, codec.bits
+                elif codec is not None and codec.backend != config.backend:
                     codec = self._on_config_backend(codec)
         dtype = t.dtype
         if codec is None:
@@ -787,7 +792,7 @@ class ActivationCompressor:
                 return None, f"{dtype} values"
             if numel < max(config.min_numel, 1):
                 return None, f"fewer than min_numel={config.min_numel} elements"
-            codec = self.codec_for(index, t)
+            codec = self.codec_for(index, t, minimum_bits)
         if codec.dtypes is not None and dtype not in codec.dtypes:
             # a dtype the codec cannot take is kept exactly, never an error inside autograd's hook
             return None, f"{dtype} not taken by codec {codec.name!r}"
@@ -817,6 +822,15 @@ class ActivationCompressor:
             size, stride, offset = saved.geometry
             return out.as_strided(size, stride, offset)
         return out if out.shape == saved.shape else out.view(saved.shape)
+
+
+def _holds_bits(codec: Codec, bits: int) -> bool:
+    """Whether ``codec`` keeps at least ``bits`` per element of precision: lossless and error-bounded codecs do
+    (their bound is the user's choice), a quantizing one at ``bits`` or more, no other lossy one."""
+    if codec.lossless or codec.error_bound is not None:
+        return True
+    own = getattr(codec, "bits", None)
+    return own is not None and own >= bits
 
 
 def _record_resize(records: list[TensorRecord], record: TensorRecord, nbytes: int) -> None:
