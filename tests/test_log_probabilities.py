@@ -104,6 +104,28 @@ def test_other_saved_tensors_of_the_step_keep_the_configured_bits():
     assert bits == {(64, 48): 2.0, (64, 96): 2.0, (64, 100): 8.0}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["contiguous",
+                                                                                             "channels_last"])
+@pytest.mark.parametrize("loss", ["log_softmax", "cross_entropy"])
+def test_per_pixel_log_probabilities_of_a_convolution_in_either_layout(loss, memory_format, dtype):
+    # a segmentation head: (N, classes, H, W) logits, log-probabilities over dim 1, saved in the conv's layout
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 10, 1).to(dtype=dtype, memory_format=memory_format)
+    x = (torch.randn(2, 8, 12, 12, dtype=dtype) * 3).to(memory_format=memory_format).requires_grad_()
+    target = torch.randint(0, 10, (2, 12, 12))
+    call = {"log_softmax": lambda z: F.log_softmax(z, dim=1).sum(),
+            "cross_entropy": lambda z: F.cross_entropy(z, target)}[loss]
+    exact, = torch.autograd.grad(call(conv(x)), x)
+    compressor = act.ActivationCompressor(conv, act.ACTConfig(bits=2, adaptive=False, min_numel=256))
+    with compressor.compress():
+        out = call(conv(x))
+    grad, = torch.autograd.grad(out, x)
+    stored = {(r.codec, r.bits, tuple(r.shape)) for r in compressor.stats().records if r.kind == "compressed"}
+    assert stored == {("quantize", 8.0, (2, 10, 12, 12))}  # (the conv's input is a leaf: kept)
+    assert _relative_error(grad, exact) < 0.02
+
+
 def test_minimum_bits_is_a_rule_answer_for_any_registered_function():
     assert op_rules.OP_RULES[F.log_softmax](torch.zeros(2, 2), None) == MinimumBits(LOG_PROBABILITY_BITS)
     assert op_rules.OP_RULES[F.cross_entropy](torch.zeros(2, dtype=torch.int64), None) is None

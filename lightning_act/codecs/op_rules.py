@@ -17,7 +17,6 @@ from ..optrack import FunctionCall, original, patch_sites
 from .base import Codec
 
 
-
 class MinimumBits(NamedTuple):
     """A rule's answer for a tensor whose backward amplifies its error: the codec the engine would pick (the
     configured one, a policy's), at ``bits`` per element or more. Lossless and error-bounded codecs stand as they
@@ -60,7 +59,7 @@ def tracked_functions() -> set[Callable]:
     return OP_RULES.keys() | WEIGHT_ARGUMENT.keys()
 
 
-def codec_for_call(call: FunctionCall | None, t: torch.Tensor) -> Codec | None:
+def codec_for_call(call: FunctionCall | None, t: torch.Tensor) -> Codec | MinimumBits | None:
     if call is None:
         return None
     rule = OP_RULES.get(call.func)
