@@ -70,6 +70,8 @@ DESIGN = """\
 | `division_decode` | as encode | one chunk of 8 | payload, lfc, stats read once; output written once | none | 48 |
 | `mask_encode` | min(tiles / 8, 8 x SMs) blocks of 256 threads (fewer warps below 8 tiles of 256 elements) | 8 elements a tile (one per ballot), element 32k + lane | x read once; payload written once (lane 0: two 16-byte stores a tile) | none | 32 (`__launch_bounds__(256, 8)`) |
 | `mask_decode` | as encode | 8 elements a tile | payload read once (two 16-byte broadcast loads a tile); output written once | none | 32 |
+| `lorenzo_encode` | min(tiles, 2^20) blocks of 256 threads, each claiming tiles of 1024 elements until none is left | 4 blocks of 32 values a warp (lane i: element 32 x block + i), their state in registers across the look-back | x read once (a verbatim block's values again, from L1); header and payload (0 to the input's bytes, by the data) written once; 8 bytes of scan state a tile | 1.1 KiB | 80 |
+| `lorenzo_decode` | as encode | 4 blocks of 32 values a warp | header and payload read once; output written once; 8 bytes of scan state a tile | 80 B | 48 |
 
 - **16-byte accesses.** A thread's chunk is 8 consecutive elements: float32 two 16-byte loads (stores), 16-bit
   one, float64 four (`common.cuh` `load_chunk` / `store_chunk`). The kernel checks the address
@@ -96,8 +98,14 @@ DESIGN = """\
   from global memory: the first read from DRAM, the next two expected to hit L2 (a block's plane, e.g. 200 KB
   for 224 x 224 float32, times the resident blocks can exceed the 50 MB L2, so expect 1 to 3 DRAM reads there).
   Chunks of 8 elements shared by two planes (plane sizes not a multiple of 8) are written by each plane's block
-  with a masked compare-and-swap (no ordering between blocks needed). lorenzo: not covered here (reworked
-  separately; see its own notes).
+  with a masked compare-and-swap (no ordering between blocks needed). lorenzo: a block's payload starts where the
+  blocks before it end, so its format needs a prefix sum of the blocks' sizes; each kernel runs it in its one pass
+  by decoupled look-back (Merrill & Garland): a thread block claims the next tile from a counter, publishes the
+  tile's payload bytes, sums what the tiles before it published, 32 at a time, until one that holds its inclusive
+  prefix, and publishes its own. Encode reads x once and writes header and payload once; decode reads them once.
+  The previous design ran three launches a direction (a header pass and a payload pass, each reading x, around
+  torch's prefix sum; a sizes kernel and the prefix sum before the decode). Not in the tables below: its
+  instruction count depends on the data (block modes), and no hand count was made.
 - **Masks** (`bitmask`, `positive_mask`, `scaled_mask`): a warp handles 256 consecutive elements a tile, lane l
   the elements 32k + l (each of its 8 loads a coalesced warp-wide access, all in flight before the first vote),
   and `__ballot_sync` makes each row of 32 flags one little-endian payload word. The flags are tests on the raw

@@ -58,8 +58,7 @@ def _masks(runner, dtype):
 KERNEL_INPUTS = {
     "quantize.cu": {"quantize_encode": _quantize, "quantize_decode": _quantize},
     "division.cu": {"division_encode": _division, "division_decode": _division},
-    "lorenzo.cu": {"lorenzo_header": _lorenzo_with_escapes, "lorenzo_payload": _lorenzo_with_escapes,
-                   "lorenzo_sizes": _lorenzo_with_escapes, "lorenzo_decode": _lorenzo_with_escapes},
+    "lorenzo.cu": {"lorenzo_encode": _lorenzo_with_escapes, "lorenzo_decode": _lorenzo_with_escapes},
     "masks.cu": {"mask_encode": _masks, "mask_decode": _masks},
 }
 SOURCE_DTYPES = {"quantize.cu": DTYPES, "division.cu": DTYPES, "lorenzo.cu": KERNEL_DTYPES,

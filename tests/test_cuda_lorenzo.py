@@ -129,10 +129,10 @@ def test_lorenzo_blocks_with_lead_values_of_1_to_4_bytes(runner):
 
 @pytest.mark.toolchain
 @requires_gxx
-def test_grid_stride_loops_cover_blocks_beyond_the_grid(runner, monkeypatch):
+def test_thread_blocks_claim_tiles_beyond_the_grid(runner, monkeypatch):
     monkeypatch.setattr(launcher, "MAX_BLOCKS", 2)
     runner.launches.clear()
-    # 525 blocks: beyond 2 blocks of 8 warps, and of 256 threads (lorenzo_sizes: a thread per block)
+    # 525 blocks, 17 tiles: beyond a grid of 2 thread blocks
     check_lorenzo(runner, _special("non_finite", torch.float32, 1e-2).repeat(24), 1e-2)
     assert {launch[2] for launch in runner.launches} == {(2, 1, 1)}
 
@@ -265,20 +265,93 @@ def test_codec_runs_the_kernels_for_their_dtypes_and_torch_for_float64(runner, m
     assert_same_bits(decoded, torch_codec.decode(torch_codec.encode(x)))
 
 
+def _tile_bytes(header: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Payload bytes of each tile of the kernels' scan, from the specification's block sizes."""
+    sizes = block_sizes(header, itemsize)[0]
+    tile_blocks = cuda_lorenzo.TILE_ELEMENTS // spec.BLOCK
+    return torch.nn.functional.pad(sizes, (0, -sizes.numel() % tile_blocks)).view(-1, tile_blocks).sum(dim=1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.toolchain
 @requires_gxx
-def test_header_pass_matches_the_specification_block_by_block(runner, dtype):
-    """The first encode kernel alone: headers and payload sizes per block, against the spec's
-    prequantize / encode_blocks / block_sizes (a failure here names the block before the payload is involved)."""
-    x = torch.cat([lorenzo_data("mixed", 900), _special("non_finite", torch.float32, 1e-2)]).to(dtype)[:1599]
-    header, sizes = cuda_lorenzo.lorenzo_header_pass(x, 1e-2, runner=runner)
-    eb = working_bound(1e-2)[0]
-    q, escape = spec.prequantize(x, *working_bound(1e-2))
-    expected_header, _ = spec.encode_blocks(q, torch.where(x.float().abs() <= eb, 0, x), escape)
-    assert_same_bits(header, expected_header)
-    assert torch.equal(sizes.long(), block_sizes(expected_header, x.element_size())[0])
-    assert set(block_sizes(header, x.element_size())[3].tolist()) >= {MODE_RAW, MODE_SPARSE, MODE_VERBATIM}
+def test_scan_state_holds_every_tiles_inclusive_prefix(runner, dtype):
+    """After an encode (and a decode) every tile's flag holds the payload bytes of it and the tiles before it, the
+    first word the payload's size, the counter every tile claimed plus one failed claim per thread block."""
+    x = torch.cat([lorenzo_data("mixed", 3000), _special("non_finite", torch.float32, 1e-2)]).to(dtype)[:3599]
+    expected = lorenzo_encode_reference(x, 1e-2)
+    plan = cuda_lorenzo._plan(x.numel(), dtype, launcher.MAX_BLOCKS)
+    inclusive = _tile_bytes(expected["header"], x.element_size()).cumsum(0)
+    assert plan.tiles == 4 and plan.grid == (4, 1, 1)
+    encoded = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8), plan.layout)
+    scans = [cuda_lorenzo.new_scan(plan, x.device) for _ in range(2)]
+    cuda_lorenzo.launch_encode(launcher.pointer(x), plan, cuda_lorenzo.bound_scalars(1e-2), *encoded.pointers(),
+                               scans[0], runner, x.device)
+    decoded = torch.empty_like(x)
+    cuda_lorenzo.launch_decode(*encoded.pointers(), plan, cuda_lorenzo.bound_scalars(1e-2)[1], decoded, scans[1],
+                               runner, x.device)
+    for scan in scans:
+        assert scan[0] == expected["payload"].numel() == inclusive[-1]
+        assert scan[1] == plan.tiles + plan.grid[0]
+        assert torch.equal(scan[2:], inclusive | cuda_lorenzo.SCAN_PREFIX)
+    assert_same_bits(encoded["header"], expected["header"])
+    assert_same_bits(decoded, spec.lorenzo_decode_reference(expected, x.numel(), 1e-2, dtype))
+
+
+# Flags of the tiles before the first one the emulator runs, as blocks still at work would have left them: the
+# look-back sums aggregates across windows of 32 tiles until the nearest inclusive prefix.
+LOOK_BACK_CASES = {
+    "only tile 0 holds its prefix": [],
+    "the nearest tile holds its prefix": [-1],
+    "a prefix mid-window": [-10, -20],
+    "a prefix at a window's last lane": [-32],
+    "a prefix at the next window's first lane": [-33],
+}
+
+
+@pytest.mark.parametrize("case", LOOK_BACK_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.toolchain
+@requires_gxx
+def test_look_back_sums_the_flags_of_tiles_other_blocks_hold(runner, dtype, case):
+    """The emulator runs thread blocks one after another, so each tile finds its predecessor's prefix: here the
+    scan state is seeded with the first 40 tiles claimed, their flags holding aggregates (and prefixes where the
+    case says), and the kernels run the last 2 tiles. Their headers, payload bytes, decoded values and flags must
+    be the specification's."""
+    claimed = 40
+    n = (claimed + 2) * cuda_lorenzo.TILE_ELEMENTS - 100
+    x = lorenzo_data("mixed", n).to(dtype)
+    expected = lorenzo_encode_reference(x, 1e-2)
+    plan = cuda_lorenzo._plan(n, dtype, launcher.MAX_BLOCKS)
+    tile_bytes = _tile_bytes(expected["header"], x.element_size())
+    inclusive = tile_bytes.cumsum(0)
+    seeded = tile_bytes[:claimed] | cuda_lorenzo.SCAN_AGGREGATE
+    for tile in [0] + [claimed + t for t in LOOK_BACK_CASES[case]]:
+        seeded[tile] = inclusive[tile] | cuda_lorenzo.SCAN_PREFIX
+
+    def scan_state():
+        scan = cuda_lorenzo.new_scan(plan, x.device)
+        scan[1], scan[2:2 + claimed] = claimed, seeded
+        return scan
+
+    encoded = OneBuffer(torch.zeros(plan.layout.total, dtype=torch.uint8), plan.layout)
+    scans = [scan_state(), scan_state()]
+    cuda_lorenzo.launch_encode(launcher.pointer(x), plan, cuda_lorenzo.bound_scalars(1e-2), *encoded.pointers(),
+                               scans[0], runner, x.device)
+    first_block, first_byte = claimed * cuda_lorenzo.TILE_ELEMENTS // spec.BLOCK, int(inclusive[claimed - 1])
+    assert_same_bits(encoded["header"][first_block:], expected["header"][first_block:])
+    assert_same_bits(encoded["payload"][first_byte:inclusive[-1]], expected["payload"][first_byte:])
+    assert torch.all(encoded["payload"][:first_byte] == 0)  # the claimed tiles' bytes: not the emulator's to write
+    decoded = torch.zeros_like(x)
+    cuda_lorenzo.launch_decode(launcher.pointer(expected["header"]), launcher.pointer(expected["payload"]), plan,
+                               cuda_lorenzo.bound_scalars(1e-2)[1], decoded, scans[1], runner, x.device)
+    first = claimed * cuda_lorenzo.TILE_ELEMENTS
+    assert_same_bits(decoded[first:], spec.lorenzo_decode_reference(expected, n, 1e-2, dtype)[first:])
+    assert torch.all(decoded[:first] == 0)
+    for scan in scans:
+        assert scan[0] == inclusive[-1]
+        assert torch.equal(scan[2:2 + claimed], seeded)  # other tiles' flags are only read
+        assert torch.equal(scan[2 + claimed:], inclusive[claimed:] | cuda_lorenzo.SCAN_PREFIX)
 
 
 @pytest.mark.toolchain
@@ -295,15 +368,14 @@ def test_chunked_reference_equals_the_unchunked_kernels(runner, monkeypatch):
 @pytest.mark.toolchain
 @requires_gxx
 def test_header_only_tensors_have_an_empty_payload(runner):
-    """All codes zero and nothing escaping (zeros and |x| <= eb): a payload of 0 bytes; the kernels still run every
-    pass (the host never learns that the payload is empty)."""
+    """All codes zero and nothing escaping (zeros and |x| <= eb): a payload of 0 bytes; the kernels still run (the
+    host never learns that the payload is empty)."""
     eb = working_bound(1e-2)[0]
     x = torch.tensor([0.0, -0.0, eb, -eb, eb / 2] * 20, dtype=torch.float32)
     runner.launches.clear()
     encoded = check_lorenzo(runner, x, 1e-2)
     assert encoded["payload"].numel() == 0
-    assert [launch[1] for launch in runner.launches] == ["lorenzo_header", "lorenzo_payload", "lorenzo_sizes",
-                                                         "lorenzo_decode"]
+    assert [launch[1] for launch in runner.launches] == ["lorenzo_encode", "lorenzo_decode"]
 
 
 def test_empty_tensor_launches_nothing():
@@ -354,9 +426,8 @@ def test_config_passes_the_backend_and_bad_backends_are_named():
 
 
 def test_codec_kernel_path_allocates_its_form_once():
-    """Encode on the kernel path: the form in one allocation (a OneBuffer of header and payload), the header
-    pass's sizes and their prefix sum, two launches; decode: the output, the sizes and their prefix sum, two
-    launches. Nothing else: no view, no copy, no check."""
+    """Encode on the kernel path: the form in one allocation (a OneBuffer of header and payload), the zeroed scan
+    state, one launch; decode: the output, the scan state, one launch. Nothing else: no view, no copy, no check."""
     runner = RecordingRunner()
     x = torch.randn(3, 100)
     with use_runner(runner):
@@ -365,8 +436,8 @@ def test_codec_kernel_path_allocates_its_form_once():
             packed = codec.encode(x)
         with recorded_ops() as decode:
             out = codec.decode(packed)
-    assert encode.ops == decode.ops == ["empty.memory_format", "empty.memory_format", "cumsum.default"]
-    assert runner.kernels == ["lorenzo_header", "lorenzo_payload", "lorenzo_sizes", "lorenzo_decode"]
+    assert encode.ops == decode.ops == ["empty.memory_format", "zeros.default"]
+    assert runner.kernels == ["lorenzo_encode", "lorenzo_decode"]
     assert type(packed.buffers) is OneBuffer and (out.shape, out.dtype) == (x.shape, x.dtype)
     assert packed.nbytes == 2 * 10 + 4 * 320
 

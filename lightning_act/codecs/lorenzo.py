@@ -50,9 +50,9 @@ class LorenzoCodec(Codec):
             return Packed(self.name, x.shape, x.dtype, x.device,
                           lorenzo_encode_fast(x.reshape(-1), self._error_bound), meta)
         TRIMS.poll()
-        buffers, ends = lorenzo_encode_cuda_packed(x.contiguous(), self._bound)
+        buffers, scan = lorenzo_encode_cuda_packed(x.contiguous(), self._bound)
         packed = Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
-        TRIMS.track(packed, ends)
+        TRIMS.track(packed, scan)
         return packed
 
     def decode(self, packed: Packed) -> torch.Tensor:

@@ -1,17 +1,20 @@
 """Launchers of ``lorenzo.cu``: the same bytes as ``lorenzo_encode_reference`` / ``lorenzo_decode_reference``,
 and never a device value read on the host (no launch waits for the GPU).
 
-Encode: the header pass (each block's header and payload size), the inclusive prefix sum of the sizes on the
-stream (each block's end offset), then the payload pass, which writes every block at its offset into a payload
-buffer of ``reserved_payload_bytes``: the input's bytes padded to whole blocks, the most any tensor stores (the
-format caps each block at its 32 values verbatim, escapes included). The actual size stays on the device: encode
-returns it beside the buffers, as a 1-element int64 tensor. Decode: each block's size from its header (one small
-kernel), their prefix sum on the stream, the decode kernel. One warp per block of 32 elements.
+Encode: one kernel (``lorenzo_encode``) reads the input once, writes each block's header, finds each block's
+payload offset by a single-pass prefix sum of the blocks' sizes (decoupled look-back over tiles of 1024 elements;
+``lorenzo.cu`` says how) and writes every block there, into a payload buffer of ``reserved_payload_bytes``: the
+input's bytes padded to whole blocks, the most any tensor stores (the format caps each block at its 32 values
+verbatim, escapes included). The actual size stays on the device: encode returns it beside the buffers, the
+first word of its scan state. Decode: one kernel (``lorenzo_decode``) finds the offsets again from the headers the
+same way and decodes each block. Each launch takes a zeroed int64 scan state (the payload's size, the tile
+counter, a flag per tile): a fill beside each launch, where the previous design ran two kernels and a prefix sum
+each way and read the input twice.
 
 The codec runs :func:`lorenzo_encode_cuda_packed` / :func:`lorenzo_decode_cuda_packed` for every saved tensor: a
-plan cached per size and dtype (layout, grids, scalar arguments), the encoded form in one allocation (a
+plan cached per size and dtype (layout, grid, scalar arguments), the encoded form in one allocation (a
 :class:`~lightning_act.cuda.launcher.OneBuffer` of ``header`` and the ``payload`` reservation), the codec's bound
-scalars built once; beside it only the header pass's sizes and their prefix sum, per encode and per decode.
+scalars built once; beside it only the scan state, per encode and per decode.
 
 The trade-off is memory, for a while. The host cannot size the payload without waiting for the GPU, so a tensor
 first holds its raw size (plus 2 bytes of header per 32 elements); :class:`PayloadTrims` gives the rest back
@@ -57,13 +60,14 @@ from .launcher import (
     check_tensor,
     default_runner,
     pointer,
-    warps_grid,
 )
 
 SOURCE = "lorenzo.cu"
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-WARPS_PER_BLOCK = 8  # LORENZO_MAX_WARPS in lorenzo.cu
-SIZES_THREADS = 256
+THREADS = (8 * 32, 1, 1)  # LORENZO_WARPS warps in lorenzo.cu
+TILE_ELEMENTS = 32 * BLOCK  # LORENZO_TILE_BLOCKS blocks in lorenzo.cu
+# A tile's flag in the scan state (lorenzo.cu), as int64: bit 62 over its own bytes, bit 63 over its inclusive prefix
+SCAN_AGGREGATE, SCAN_PREFIX = 1 << 62, -(1 << 63)
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -82,24 +86,26 @@ class _Plan(NamedTuple):
 
     layout: BufferLayout  # of the encoded form: (header, payload reservation)
     blocks: int  # blocks of BLOCK elements
-    grid: tuple | None  # of the header, payload and decode kernels (a warp per block); None: nothing to launch
-    block: tuple | None
-    sizes_grid: tuple  # of lorenzo_sizes (a thread per block)
+    tiles: int  # of TILE_ELEMENTS
+    grid: tuple | None  # of both kernels (each thread block claims tiles until none is left); None: nothing to launch
     code: np.int32  # the dtype of the input (encode) and output (decode)
     numel: np.int64
-    blocks64: np.int64
 
 
 # One entry per (size, dtype) met: a model saves a few hundred distinct sizes. ``max_blocks``: launcher.MAX_BLOCKS.
 @functools.lru_cache(maxsize=4096)
 def _plan(numel: int, dtype: torch.dtype, max_blocks: int) -> _Plan:
     blocks = -(-numel // BLOCK)
+    tiles = -(-numel // TILE_ELEMENTS)
     layout = buffer_layout((("header", blocks, torch.int16),
                             ("payload", reserved_payload_bytes(numel, dtype.itemsize), torch.uint8)))
-    grid, block = warps_grid(blocks, min(WARPS_PER_BLOCK, blocks), max_blocks) if blocks else (None, None)
-    sizes_grid = (min(-(-blocks // SIZES_THREADS), max_blocks), 1, 1)
-    return _Plan(layout, blocks, grid, block, sizes_grid, np.int32(DTYPE_CODES[dtype]), np.int64(numel),
-                 np.int64(blocks))
+    grid = (min(tiles, max_blocks), 1, 1) if tiles else None
+    return _Plan(layout, blocks, tiles, grid, np.int32(DTYPE_CODES[dtype]), np.int64(numel))
+
+
+def new_scan(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """A launch's scan state, zeroed: the payload's size, the tile counter, a flag per tile."""
+    return torch.zeros(plan.tiles + 2, dtype=torch.int64, device=device)
 
 
 def _check_flat(flat: torch.Tensor, runner: KernelRunner) -> None:
@@ -109,78 +115,54 @@ def _check_flat(flat: torch.Tensor, runner: KernelRunner) -> None:
         raise ValueError(f"flat must be 1-dimensional; got shape {tuple(flat.shape)}")
 
 
-def _header(x: np.uint64, plan: _Plan, bound: tuple, header: np.uint64, runner: KernelRunner,
-            device: torch.device) -> torch.Tensor:
-    """The header pass over the input at ``x``: writes each block's header at ``header``; returns the blocks'
-    payload sizes (int32)."""
-    sizes = torch.empty(plan.blocks, dtype=torch.int32, device=device)
-    runner.launch(SOURCE, "lorenzo_header", plan.grid, plan.block,
-                  (x, plan.code, plan.numel, *bound, header, pointer(sizes)), 0, device)
-    return sizes
+def launch_encode(x: np.uint64, plan: _Plan, bound: tuple, header: np.uint64, payload: np.uint64,
+                  scan: torch.Tensor, runner: KernelRunner, device: torch.device) -> None:
+    """``lorenzo_encode`` over the input at ``x`` into the buffers at ``header`` and ``payload``, with the scan
+    state ``scan`` (:func:`new_scan`; tests seed it with tiles other blocks would hold)."""
+    runner.launch(SOURCE, "lorenzo_encode", plan.grid, THREADS,
+                  (x, plan.code, plan.numel, *bound, header, payload, pointer(scan)), 0, device)
 
 
-def _encode(x: torch.Tensor, plan: _Plan, bound: tuple, buffers: OneBuffer, runner: KernelRunner,
-            device: torch.device) -> torch.Tensor:
-    """Both encode kernels into ``buffers``; returns each block's end offset in the payload (int64, on the
-    device), the last of them the payload's size."""
-    header, payload = buffers.pointers()
-    source = pointer(x)
-    ends = torch.cumsum(_header(source, plan, bound, header, runner, device), 0, dtype=torch.int64)
-    runner.launch(SOURCE, "lorenzo_payload", plan.grid, plan.block,
-                  (source, plan.code, plan.numel, *bound, pointer(ends), payload), 0, device)
-    return ends
-
-
-def lorenzo_header_pass(flat: torch.Tensor, error_bound: float, *,
-                        runner: KernelRunner | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The encode's first kernel (tests compare it piecewise with the specification): per block of 32
-    elements its header (int16 storage of the uint16) and payload bytes (int32)."""
-    runner = runner or default_runner()
-    _check_flat(flat, runner)
-    plan = _plan(flat.numel(), flat.dtype, launcher.MAX_BLOCKS)
-    header = torch.empty(plan.blocks, dtype=torch.int16, device=flat.device)
-    if plan.grid is None:
-        return header, torch.empty(0, dtype=torch.int32, device=flat.device)
-    return header, _header(pointer(flat), plan, bound_scalars(error_bound), pointer(header), runner, flat.device)
+def launch_decode(header: np.uint64, payload: np.uint64, plan: _Plan, step: np.float32, out: torch.Tensor,
+                  scan: torch.Tensor, runner: KernelRunner, device: torch.device) -> None:
+    """``lorenzo_decode`` of the buffers at ``header`` and ``payload`` into ``out``, with the scan state ``scan``."""
+    runner.launch(SOURCE, "lorenzo_decode", plan.grid, THREADS,
+                  (header, payload, plan.numel, step, pointer(out), plan.code, pointer(scan)), 0, device)
 
 
 def lorenzo_encode_cuda(flat: torch.Tensor, error_bound: float, *, runner: KernelRunner | None = None
                         ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Encode kernels: buffers ``header`` (bit-identical to ``lorenzo_encode_reference``'s) and ``payload``, whose
+    """Encode kernel: buffers ``header`` (bit-identical to ``lorenzo_encode_reference``'s) and ``payload``, whose
     first bytes are the reference's payload, in a buffer of ``reserved_payload_bytes``; and that size in bytes,
     a 1-element int64 tensor on the device (never read here)."""
     runner = runner or default_runner()
     _check_flat(flat, runner)
-    buffers, ends = lorenzo_encode_cuda_packed(flat, bound_scalars(error_bound), runner=runner)
-    size = ends[-1:] if ends is not None else torch.zeros(1, dtype=torch.int64, device=flat.device)
-    return dict(buffers), size
+    buffers, scan = lorenzo_encode_cuda_packed(flat, bound_scalars(error_bound), runner=runner)
+    return dict(buffers), scan[:1] if scan is not None else torch.zeros(1, dtype=torch.int64, device=flat.device)
 
 
 def lorenzo_encode_cuda_packed(x: torch.Tensor, bound: tuple, *, runner: KernelRunner | None = None
                                ) -> tuple[OneBuffer, torch.Tensor | None]:
     """:func:`lorenzo_encode_cuda` for the codec, which runs it for every saved tensor: ``x`` (contiguous, any
     shape, a kernel dtype) encoded into a :class:`OneBuffer` of ``header`` and the ``payload`` reservation (one
-    allocation, no views built); and each block's end offset in the payload (int64 on the device, the last one
-    the payload's size; None for an empty tensor). ``bound``: :func:`bound_scalars` of the error bound. No
-    argument checks: the codec checked its bound once and passes tensors of a kernel dtype."""
+    allocation, no views built); and the encode's scan state (:func:`new_scan`, on the device: its first word the
+    payload's size in bytes; None for an empty tensor). ``bound``: :func:`bound_scalars` of the error bound. No argument checks: the codec checked its bound
+    once and passes tensors of a kernel dtype."""
     runner = runner or default_runner()
     device = x.device
     plan = _plan(x.numel(), x.dtype, launcher.MAX_BLOCKS)
     buffers = OneBuffer(torch.empty(plan.layout.total, dtype=torch.uint8, device=device), plan.layout)
     if plan.grid is None:
         return buffers, None
-    return buffers, _encode(x, plan, bound, buffers, runner, device)
+    scan = new_scan(plan, device)
+    launch_encode(pointer(x), plan, bound, *buffers.pointers(), scan, runner, device)
+    return buffers, scan
 
 
 def _decode(header: np.uint64, payload: np.uint64, plan: _Plan, step: np.float32, out: torch.Tensor,
             runner: KernelRunner, device: torch.device) -> None:
     if plan.grid is not None:
-        sizes = torch.empty(plan.blocks, dtype=torch.int32, device=device)
-        runner.launch(SOURCE, "lorenzo_sizes", plan.sizes_grid, (SIZES_THREADS, 1, 1),
-                      (header, plan.blocks64, plan.code, pointer(sizes)), 0, device)
-        ends = torch.cumsum(sizes, 0, dtype=torch.int64)
-        runner.launch(SOURCE, "lorenzo_decode", plan.grid, plan.block,
-                      (header, pointer(ends), payload, plan.numel, step, pointer(out), plan.code), 0, device)
+        launch_decode(header, payload, plan, step, out, new_scan(plan, device), runner, device)
 
 
 def lorenzo_decode_cuda(buffers: dict[str, torch.Tensor], numel: int, error_bound: float, dtype: torch.dtype, *,
@@ -261,12 +243,12 @@ class PayloadTrims:
         self._free = {}  # device -> slots (host size, event) not in use; an event records on one device only
         self._lock = threading.Lock()
 
-    def track(self, packed, ends: torch.Tensor | None) -> None:
-        """Trim ``packed``'s payload (a :class:`OneBuffer` part) to ``ends[-1]``, the size its encode left on the
+    def track(self, packed, scan: torch.Tensor | None) -> None:
+        """Trim ``packed``'s payload (a :class:`OneBuffer` part) to the size its encode left in ``scan[0]`` on the
         device, once the GPU has written it. Off the ops' device, nothing: the other runners finish before they
         return, and exist for tests."""
         device = packed.device
-        if ends is None or device.type != self.ops.device_type:
+        if scan is None or device.type != self.ops.device_type:
             return
         with self._lock:
             free = self._free.get(device)
@@ -278,7 +260,7 @@ class PayloadTrims:
                 self._free.setdefault(device, []).extend(slots)
         host, done = slot
         stream = self.ops.current_stream(device)
-        host.copy_(ends[-1:], non_blocking=True)
+        host.copy_(scan[:1], non_blocking=True)
         done.record(stream)
         with self._lock:
             self._pending.append((weakref.ref(packed), slot, stream, device))

@@ -197,6 +197,8 @@ T atomicMax(T* address, T v) {
     return old;
 }
 
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
 // CUDA's integer min/max overloads
 using std::max;
 using std::min;
