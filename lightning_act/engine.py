@@ -322,6 +322,7 @@ class _Step:
         self.records: list[TensorRecord] = [] if records is None else records
         self.phase = phase
         self.tracker: FunctionTracker | None = None
+        self.minimum_bits: dict[int, int] = {}  # saved-tensor index -> the least bits an op rule asked for it
         # (storage ptr, dtype, version, memory range or view geometry) -> [weak reference to the storage, or None
         # where a kept tensor holds it alive; {codec name (None: kept): _Saved of its first save}]: what is stored of
         # each range, once per codec, and counted once in the step's original bytes (a ReLU output stored as its
@@ -513,6 +514,13 @@ class ActivationCompressor:
         """The step whose forward (or recomputation) runs in this thread (what a checkpoint needs to record
         its recomputation)."""
         return getattr(self._thread, "step", None)
+
+    def minimum_bits(self, index: int) -> int | None:
+        """The least bits an op rule asked for saved tensor ``index`` of this thread's current step
+        (:class:`~lightning_act.codecs.op_rules.MinimumBits`), or None: known when the engine asks a ``bits_policy``
+        about that tensor, which may then count what will be stored (auto-precision does)."""
+        step = getattr(self._thread, "step", None)
+        return step.minimum_bits.get(index) if step is not None else None
 
     def stats(self) -> CompressionStats:
         """Statistics of this thread's last completed ``compress()`` step (of any thread's, when this one ran
@@ -781,6 +789,7 @@ class ActivationCompressor:
                 codec = rule(t, call)
                 if type(codec) is op_rules.MinimumBits:
                     codec, minimum_bits = None, codec.bits
+                    step.minimum_bits[index] = minimum_bits
                 elif codec is not None and codec.backend != config.backend:
                     codec = self._on_config_backend(codec)
         dtype = t.dtype

@@ -44,6 +44,20 @@ def test_allocation_errors_name_the_value():
         allocate_bits([1.0], [3], 0.5)
 
 
+def test_allocation_keeps_each_tensor_at_or_above_its_minimum_and_counts_its_bits():
+    sizes = [100, 300]
+    assert allocate_bits([1e-9, 1.0], sizes, budget=4) == [4, 4]
+    # an op rule's floor: the insensitive tensor is stored at 8 bits whatever it gets, so the other pays for it
+    assert allocate_bits([1e-9, 1.0], sizes, budget=4, minimums=[8, None]) == [8, 2]
+    assert allocate_bits([1.0, 1.0], [300, 100], budget=2, minimums=[8, None]) == [8, 1]  # unreachable: all lowest
+    assert allocate_bits([1.0, 1.0], [10, 10], budget=16, minimums=[16, None]) == [32, 1]  # 16: only 32 is above
+    assert allocate_bits([1.0, 1.0], [10, 10], budget=16, minimums=[1, 0]) == [8, 8]
+    with pytest.raises(ValueError, match="2 minimums for 1 sizes"):
+        allocate_bits([1.0], [3], 4, minimums=[8, 8])
+    with pytest.raises(ValueError, match=r"minimums=-1; expected an integer >= 0"):
+        allocate_bits([1.0], [3], 4, minimums=[-1])
+
+
 def test_overrides_are_validated_like_the_config():
     with pytest.raises(ValueError, match=r"adapt_fraction=0; expected a number in \(0, 1\]"):
         AutoPrecision(adapt_fraction=0)
@@ -154,6 +168,78 @@ def test_adaptive_4_bit_has_lower_gradient_variance_than_uniform_at_the_same_rat
     assert len(set(auto.bits)) > 1  # not uniform
     assert adaptive_variance < 0.7 * uniform_variance
     assert adaptive.stats().ratio == pytest.approx(uniform_ratio, rel=0.05)
+
+
+# ---- op-rule floors (cross-entropy's log-probabilities at 8 bits or more) ---------------------------------
+def _classifier(classes: int):
+    """Two tanh layers and a head of ``classes`` outputs under cross-entropy: its (batch x classes)
+    log-probabilities are saved with an 8-bit floor (``op_rules.MinimumBits``), the rest at the allocated bits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, classes))
+    g = torch.Generator().manual_seed(1)
+    return _plain_setup(model, (torch.randn(32, 16, generator=g), torch.randint(0, classes, (32,), generator=g)),
+                        act.ACTConfig(bits=4, min_numel=0))
+
+
+def _log_probabilities(auto):
+    """The floored tensors of the step: the log-probabilities, and nll_loss's 0-d total weight (min_numel=0)."""
+    floored = [a for a in auto.assignment() if a["minimum_bits"] is not None]
+    assert [(a["shape"], a["minimum_bits"]) for a in floored] == [([32, 256], 8), ([], 8)]
+    return floored[0]
+
+
+def test_floored_tensor_is_allocated_at_its_floor_and_counted_in_the_budget():
+    compressor, forward_backward = _classifier(256)  # the log-probabilities: 64% of the allocated elements
+    auto = AutoPrecision(compressor, bit_budget=6)
+    assert auto.maybe_adapt(0, forward_backward)
+    floored = _log_probabilities(auto)
+    assert floored["bits"] in (8, 32) and auto.average_bits <= 6
+    assert max(a["bits"] for a in auto.assignment() if a["minimum_bits"] is None) <= 4  # they pay for the floor
+    forward_backward()
+    stored = {r.index: r.bits for r in compressor.stats().records if r.kind == "compressed"}
+    assert stored[floored["index"]] >= 8  # what was allocated is what is stored
+    allocated = {a["index"]: a["bits"] for a in auto.assignment()}
+    assert all(allocated[i] <= b < allocated[i] + 1 for i, b in stored.items() if i in allocated)
+
+
+def test_a_budget_the_floors_make_unreachable_is_warned_about():
+    compressor, forward_backward = _classifier(256)
+    auto = AutoPrecision(compressor, bit_budget=4)  # 8 bits on 64% of the elements is 5.1 on average already
+    with pytest.warns(RuntimeWarning, match=r"bit_budget=4 cannot be met: op rules keep 2 saved tensors \(64% of the "
+                                            r"allocated elements\) at 8 bits or more, so the allocation averages "
+                                            r"5\.48 bits"):  # 8 x 0.64 + 1 x 0.36
+        auto.maybe_adapt(0, forward_backward)
+    assert _log_probabilities(auto)["bits"] == 8
+    assert {a["bits"] for a in auto.assignment() if a["minimum_bits"] is None} == {1}
+
+
+def test_a_floored_tensors_sensitivity_is_measured_at_the_bits_it_is_stored_at():
+    """Probes store a floored tensor at its floor whatever it is allocated, so its sensitivity divides by that
+    floor's variance: the same noise gives the same estimate whatever it is allocated (dividing by the allocation's
+    variance, a 2-bit allocation would read 7225 times lower than an 8-bit one)."""
+    from lightning_act.adapt.sensitivity import TensorKey, estimate_sensitivities, probed_bits
+
+    assert probed_bits(2, TensorKey(0, (4,), "float32", 8)) == 8 and probed_bits(2, TensorKey(0, (4,), "float32")) == 2
+    assert probed_bits(32, TensorKey(0, (4,), "float32")) == 8
+    compressor, forward_backward = _classifier(256)
+    rounds = [estimate_sensitivities(compressor, forward_backward, lambda key, b=bits: b if key.minimum_bits else 4,
+                                     lambda layout: range(len(layout))) for bits in (2, 8)]
+    assert rounds[0].layout == rounds[1].layout
+    position = next(p for p, k in enumerate(rounds[0].layout) if k.minimum_bits == 8)
+    assert rounds[0].sensitivities[position] == rounds[1].sensitivities[position] > 0
+
+
+def test_assignment_with_floors_survives_a_checkpoint_and_old_checkpoints_load():
+    compressor, forward_backward = _classifier(256)
+    auto = AutoPrecision(compressor, bit_budget=6)
+    auto.maybe_adapt(0, forward_backward)
+    state = json.loads(json.dumps(auto.state_dict()))
+    resumed = AutoPrecision(compressor, bit_budget=6)
+    resumed.load_state_dict(state)
+    assert resumed.assignment() == auto.assignment()
+    state["layout"] = [entry[:3] for entry in state["layout"]]  # saved before floors were part of the layout
+    resumed.load_state_dict(state)
+    assert all(a["minimum_bits"] is None for a in resumed.assignment())
 
 
 # ---- state restoration ----------------------------------------------------------------------------------

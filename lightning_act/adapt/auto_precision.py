@@ -42,7 +42,9 @@ class AutoPrecision:
     Every ``adapt_interval`` steps it runs GACT's Algorithm 1 on the step's batch (``1 + L`` extra
     forward/backward passes for ``L`` re-estimated tensors; the first round and rounds after a layout change
     estimate all, later rounds the next ``adapt_fraction`` of them in turn), then allocates bits from
-    ``{32, 8, 4, 2, 1}`` for an average of ``bit_budget``. Tensors whose (pack order, shape, dtype) is not in the
+    ``{32, 8, 4, 2, 1}`` for an average of ``bit_budget``, counting the floors op rules set (a log-probability kept
+    at 8 bits or more is allocated 8 or 32, and its bits count in the average; a budget they make unreachable is
+    warned about). Tensors whose (pack order, shape, dtype) is not in the
     allocation get the largest candidate within the budget; a new layout seen on two consecutive steps is
     re-estimated at once (single process only: under DDP rounds stay on the interval so ranks stay in step).
     Rank 0's allocation is broadcast. When the estimated compression variance exceeds ``alert_ratio`` times the
@@ -130,9 +132,10 @@ class AutoPrecision:
         return sum(b * k.numel for b, k in zip(self.bits, self.layout)) / total
 
     def assignment(self) -> list[dict[str, Any]]:
-        """One entry per allocated tensor: pack index, shape, dtype, bits and sensitivity ``c_l``."""
-        return [{"index": k.index, "shape": list(k.shape), "dtype": k.dtype, "bits": b, "sensitivity": c}
-                for k, b, c in zip(self.layout, self.bits, self.sensitivities)]
+        """One entry per allocated tensor: pack index, shape, dtype, bits, sensitivity ``c_l`` and the least bits
+        an op rule asks for it (None: none)."""
+        return [{"index": k.index, "shape": list(k.shape), "dtype": k.dtype, "bits": b, "sensitivity": c,
+                 "minimum_bits": k.minimum_bits} for k, b, c in zip(self.layout, self.bits, self.sensitivities)]
 
     def maybe_adapt(self, step: int, forward_backward_fn: Callable[[], object]) -> bool:
         """Re-estimate and re-allocate when due (every ``adapt_interval`` steps, or on a new layout).
@@ -200,7 +203,18 @@ class AutoPrecision:
         sensitivities = list(self.sensitivities) if same else [0.0] * len(layout)
         for position, c in measured.sensitivities.items():
             sensitivities[position] = c
-        bits = allocate_bits(sensitivities, [k.numel for k in layout], self.setting("bit_budget")) if layout else []
+        budget = self.setting("bit_budget")
+        sizes = [k.numel for k in layout]
+        bits = allocate_bits(sensitivities, sizes, budget, minimums=[k.minimum_bits for k in layout]) if layout else []
+        average = sum(b * d for b, d in zip(bits, sizes)) / sum(sizes) if layout else 0.0
+        floored = [k for k in layout if k.minimum_bits is not None]
+        if average > budget and floored:  # without floors every budget the config accepts is met
+            message = (f"lightning_act auto-precision: bit_budget={budget} cannot be met: op rules keep "
+                       f"{len(floored)} saved tensors ({sum(k.numel for k in floored) / sum(sizes):.0%} of the "
+                       f"allocated elements) at {min(k.minimum_bits for k in floored)} bits or more, so the "
+                       f"allocation averages {average:.2f} bits with every other tensor at its lowest")
+            log.warning(message)
+            warn_user(message, RuntimeWarning)
         cursor = (self.cursor + len(measured.sensitivities)) % len(layout) if same and layout else 0
         return _state(layout, bits, sensitivities, cursor)
 
@@ -208,7 +222,8 @@ class AutoPrecision:
         return _state(self.layout, self.bits, self.sensitivities, self.cursor)
 
     def _load_assignment(self, state: dict[str, Any]) -> None:
-        self.layout = tuple(TensorKey(i, tuple(shape), dtype) for i, shape, dtype in state["layout"])
+        # entries of checkpoints before op-rule floors hold no minimum_bits
+        self.layout = tuple(TensorKey(i, tuple(shape), dtype, *floor) for i, shape, dtype, *floor in state["layout"])
         self.bits, self.sensitivities = list(state["bits"]), list(state["sensitivities"])
         self.cursor = state["cursor"]
         self._positions = {k: p for p, k in enumerate(self.layout)}
@@ -229,7 +244,7 @@ class AutoPrecision:
 
 def _state(layout: Layout, bits: list[int], sensitivities: list[float], cursor: int) -> dict[str, Any]:
     """The assignment as plain Python values (broadcast and checkpointed)."""
-    return {"layout": [[k.index, list(k.shape), k.dtype] for k in layout], "bits": list(bits),
+    return {"layout": [[k.index, list(k.shape), k.dtype, k.minimum_bits] for k in layout], "bits": list(bits),
             "sensitivities": [float(c) for c in sensitivities], "cursor": cursor}
 
 

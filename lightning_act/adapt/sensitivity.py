@@ -33,15 +33,18 @@ _CHANGED_KEY = 0x8000_0001
 
 @dataclass(frozen=True)
 class TensorKey:
-    """Identity of one saved tensor across steps: pack order within the step, shape and dtype."""
+    """Identity of one saved tensor across steps: pack order within the step, shape and dtype; and the least bits
+    an op rule asks for it (:class:`~lightning_act.codecs.op_rules.MinimumBits`: stored at that many bits whatever
+    it is allocated, so the allocation counts them), or None."""
 
     index: int
     shape: tuple[int, ...]
     dtype: str
+    minimum_bits: int | None = None
 
     @classmethod
-    def of(cls, index: int, t: torch.Tensor) -> "TensorKey":
-        return cls(index, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+    def of(cls, index: int, t: torch.Tensor, minimum_bits: int | None = None) -> "TensorKey":
+        return cls(index, tuple(t.shape), str(t.dtype).removeprefix("torch."), minimum_bits)
 
     @property
     def numel(self) -> int:
@@ -68,7 +71,7 @@ class LayoutRecorder:
             step = self.compressor.current_step
             if step is not None and step.number != self._step_number:
                 self._step_number, self._asked = step.number, {}
-            key = TensorKey.of(index, t)
+            key = TensorKey.of(index, t, self.compressor.minimum_bits(index))
             self._asked[index] = key
             return policy(key)
 
@@ -80,6 +83,12 @@ class LayoutRecorder:
             return ()
         return tuple(self._asked[r.index] for r in self.compressor.stats().records
                      if r.kind == COMPRESSED and r.index in self._asked)
+
+
+def probed_bits(bits: int, key: TensorKey) -> int:
+    """The bits a probe pass stores ``key``'s tensor at when it is allocated ``bits``: at most PROBE_MAX_BITS,
+    raised to the op rule's floor as the engine does."""
+    return max(min(bits, PROBE_MAX_BITS), key.minimum_bits or 0)
 
 
 @dataclass
@@ -131,7 +140,7 @@ def estimate_sensitivities(compressor: ActivationCompressor, forward_backward_fn
         forward_backward_fn: runs the user's forward inside ``compressor.compress()`` and its backward, on the
             same batch every call (e.g. ``with compressor.compress(): loss = model(x)...`` then
             ``loss.backward()``); no optimizer step.
-        bits_for: bits currently allocated to a tensor (probes use ``min(bits, PROBE_MAX_BITS)``).
+        bits_for: bits currently allocated to a tensor (probes use :func:`probed_bits` of them).
         choose: positions in the batch's layout to probe (``range(len(layout))`` for all).
         round_seed: varies the fixed noise from round to round.
         ddp_model: a ``DistributedDataParallel`` wrapper: passes run under its ``no_sync()``.
@@ -143,7 +152,7 @@ def estimate_sensitivities(compressor: ActivationCompressor, forward_backward_fn
     started = time.perf_counter()
     base = rng.mix32(round_seed ^ _PROBE_SALT)
     recorder = LayoutRecorder(compressor)
-    probe_bits = recorder.wrap(lambda key: min(bits_for(key), PROBE_MAX_BITS))
+    probe_bits = recorder.wrap(lambda key: probed_bits(bits_for(key), key))
     with preserved_training_state(compressor, params) as rewind, compressor.install_policy(bits=probe_bits):
 
         def gradient(changed_index: int | None) -> list[torch.Tensor]:
@@ -175,7 +184,7 @@ def estimate_sensitivities(compressor: ActivationCompressor, forward_backward_fn
                     "the saved-tensor sequence changed between probe passes on one batch; forward_backward_fn must "
                     "run the same computation every call")
             squared = sum(_total((a.double() - b.double()).pow(2).sum()) for a, b in zip(g0, g1))
-            sensitivities[position] = squared / (2.0 * variance_factor(min(bits_for(key), PROBE_MAX_BITS)))
+            sensitivities[position] = squared / (2.0 * variance_factor(probed_bits(bits_for(key), key)))
         passes = 1 + len(sensitivities)
     return SensitivityRound(layout, sensitivities, passes, time.perf_counter() - started)
 
