@@ -12,6 +12,10 @@ CPU CI proves the CUDA kernels through nvcc and an emulator; this runs them on t
 - ``no sync``: every codec's kernel encode, stored size and decode under ``torch.cuda.set_sync_debug_mode("error")``
   (a synchronising torch call raises) and a guard on host reads of tensor values.
 - ``lorenzo trim``: once the GPU has written a lorenzo payload, the next encode's poll cuts it to its exact size.
+- ``lorenzo tiles``: tensors of thousands of tiles, whose thread blocks run at once and look back across windows of
+  32 tiles (the emulator runs blocks one at a time; its tests seed the scan state instead), store the
+  specification's bytes and decode to its bits; a kernel not done within 30 s is reported (a look-back that never
+  ends) before the run's own timeout.
 - ``compile``: ``backend="compile"`` (Triton) stores the specification's bytes (run last: compiling takes
   longest).
 - ``compiled model``: a ``torch.compile``'d BERT step on a padded batch (SDPA's mask and log-sum-exp kept exact),
@@ -81,6 +85,19 @@ def activation(dtype: torch.dtype, non_finite: bool) -> torch.Tensor:
     if non_finite:
         x[3, 1, 2, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")])
     return x.to(dtype)
+
+
+def _lorenzo_tiles_data(kind: str, n: int) -> torch.Tensor:
+    """``n`` values whose lorenzo blocks take every mode and whose tiles' payload sizes vary ("mixed": smooth runs,
+    sparse and random stretches, NaNs and infinities) or stay near the most ("noise")."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen) * 3
+    if kind == "mixed":
+        x[: n // 4] = torch.linspace(-2, 2, n // 4)
+        x[n // 4: n // 2] *= torch.rand(n // 2 - n // 4, generator=gen) < 0.1
+        x[n // 2:: 9973] = float("nan")
+        x[n // 2 + 1:: 19997] = float("inf")
+    return x
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -240,6 +257,31 @@ class Checks:
         exact = act.codecs.get("lorenzo", backend="torch", error_bound=1e-2).encode(x.cpu(), key=1).nbytes
         self.note = f"{reserved} bytes reserved, {packed.nbytes} after the trim"
         return None if packed.nbytes == exact else f"{self.note}; the specification stores {exact}"
+
+    def lorenzo_tiles(self, dtype: torch.dtype) -> str | None:
+        if not self.cuda:
+            raise Skip("CPU: tests/test_cuda_lorenzo.py seeds the scan state with the flags of blocks still running")
+        problems = []
+        for kind, n in (("mixed", (1 << 22) + 777), ("noise", (1 << 20) + 31)):
+            x_cpu = _lorenzo_tiles_data(kind, n).to(dtype)
+            with self.kernels():
+                codec = act.codecs.get("lorenzo", backend="cupy", error_bound=1e-2)
+                packed = codec.encode(x_cpu.to(self.device), key=1)
+                decoded = codec.decode(packed)
+            done = torch.cuda.Event()
+            done.record()
+            deadline = time.monotonic() + 30
+            while not done.query():
+                if time.monotonic() > deadline:
+                    return f"{kind}, {n} elements: the kernels did not finish within 30 s (a look-back that never ends?)"
+                time.sleep(0.01)
+            spec = act.codecs.get("lorenzo", backend="torch", error_bound=1e-2)
+            reference = spec.encode(x_cpu, key=1)
+            problems.append(_same_stored(_stored(packed), _stored(reference), "lorenzo"))
+            if not torch.equal(_bits(decoded), _bits(spec.decode(reference))):
+                problems.append(f"{kind}: the decode differs from the specification's")
+        problems = [p for p in problems if p]
+        return "; ".join(problems) or None
 
     def compiled(self, bits: int, dtype: torch.dtype) -> str | None:
         if not self.cuda:
@@ -500,6 +542,8 @@ def checks(device: torch.device, only: tuple[str, ...], codecs: tuple[str, ...] 
                          lambda codec=codec, options=options, backend=backend:
                          c.no_sync(codec, options, torch.bfloat16, backend)))
     plan.append(("lorenzo trim", "float32", c.lorenzo_trim))
+    for dtype in (torch.float32, torch.bfloat16):
+        plan.append(("lorenzo tiles", str(dtype).removeprefix("torch."), lambda dtype=dtype: c.lorenzo_tiles(dtype)))
     plan.append(("side stream", "BERT 2x128, 4-bit, bf16", c.side_stream))
     plan.append(("step", "BERT 2x128, 4-bit", c.step))
     plan.append(("host", "BERT-base shape, 1 x 8, 4-bit", c.host_time))
@@ -540,7 +584,7 @@ def report(rows: list[dict], device: torch.device, final: bool = True) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="without CUDA: the CPU stand-ins (what CI runs)")
-    parser.add_argument("--only", nargs="+", choices=["launch", "kernels", "no-sync", "lorenzo-trim", "compile",
+    parser.add_argument("--only", nargs="+", choices=["launch", "kernels", "no-sync", "lorenzo-trim", "lorenzo-tiles", "compile",
                                                       "side-stream", "step", "host", "step-no-sync", "compiled-model"],
                         default=())
     parser.add_argument("--codecs", nargs="+", choices=list(CODECS), default=list(CODECS),
