@@ -100,7 +100,7 @@ class ACTConfig:
             (:mod:`lightning_act.side_stream`); off by default until measured on GPUs. Not with ``swap``.
         adapt_interval: auto-precision re-estimates tensor sensitivities every this many steps.
         bit_budget: average bits per element auto-precision allocates (GACT's adaptive 4/3/2 bit), in [1, 32];
-            ``None`` = ``bits``.
+            ``None`` = ``bits``. Tensors an op rule keeps at 8 bits or more (log-probabilities) count in it.
         adapt_fraction: share of the tensors re-estimated per round after the first, full one (round robin),
             in (0, 1].
         alert_ratio: auto-precision warns when the estimated compression variance exceeds this multiple of
