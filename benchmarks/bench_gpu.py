@@ -296,10 +296,10 @@ def carry_allocation(state: dict, from_batch: int, to_batch: int) -> dict:
     """An ``AutoPrecision.state_dict()`` estimated at ``from_batch`` for the same model at ``to_batch``: the bits
     stay with each saved tensor (pack order), whose leading dimension scales with the batch."""
     layout = []
-    for index, shape, dtype in state["layout"]:
+    for index, shape, *rest in state["layout"]:  # rest: dtype, and the op rule's floor
         if shape and shape[0] % from_batch == 0:
             shape = [shape[0] // from_batch * to_batch, *shape[1:]]
-        layout.append([index, shape, dtype])
+        layout.append([index, shape, *rest])
     return {**state, "layout": layout}
 
 

@@ -17,6 +17,12 @@ from tests.cuda_emulation.emulator import NVCC, requires_gxx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _errors(stderr: str) -> str:
+    """A benchmark's stderr for an assertion message, without the profiler's per-step USDT lines (which filled the
+    message where a traceback should have been)."""
+    return "\n".join(line for line in stderr.splitlines() if not line.startswith("USDT:"))[-3000:]
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     pytest.importorskip("sklearn")
@@ -26,7 +32,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--out", str(out)],
                             capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _errors(result.stderr)
     return out, json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
 
 
@@ -144,7 +150,7 @@ def test_bench_gnn_sparse_quick_measures_every_configuration(tmp_path):
     out = tmp_path / "gnn_sparse.md"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gnn_sparse.py"), "--quick", "--out",
                              str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _errors(result.stderr)
     peaks = {}
     for line in out.read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -225,7 +231,7 @@ def test_bench_gpu_tiny_runs_every_configuration_and_exits_2_without_cuda(tmp_pa
     out = tmp_path / "gpu.md"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--tiny", "--repeats", "2",
                              "--warmup", "1", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _errors(result.stderr)
     table, rows = out.read_text(), json.loads(out.with_suffix(".json").read_text())["rows"]
     assert table.startswith("# GPU training steps: CPU (--tiny)") and "| model | batch | config | ratio |" in table
     assert table.count("\n| ") == len(rows) + 1  # the header and one line per row
@@ -342,7 +348,7 @@ def test_bench_gpu_compiled_configurations_compress_inside_the_graphs(tmp_path):
                              "compiled (reduce-overhead), 4-bit", "compiled, 4-bit traced", "--repeats", "2",
                              "--warmup", "1", "--out", str(out), "--profile", str(tmp_path / "profiles")],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _errors(result.stderr)
     rows = {r["config"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert set(rows) == {"baseline", "compiled, 4-bit", "compiled (reduce-overhead), 4-bit", "compiled, 4-bit traced"}
     assert all("error" not in r for r in rows.values()), rows
