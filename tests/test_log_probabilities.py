@@ -92,6 +92,24 @@ def test_a_policy_below_the_floor_is_raised_to_it(policy):
     assert [(r.codec, r.bits) for r in compressed] == [("quantize", 8.0)]
 
 
+def test_a_bits_policy_reads_the_floor_of_the_tensor_it_is_asked_about():
+    """``ActivationCompressor.minimum_bits(index)``: the op rule's floor for the saved tensor a ``bits_policy`` is
+    asked about (what auto-precision counts in its budget), None for the others and outside a step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 100))
+    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=2, adaptive=False, min_numel=256))
+    asked = {}
+
+    def policy(index, t):
+        asked[tuple(t.shape)] = compressor.minimum_bits(index)
+        return 2
+
+    with compressor.install_policy(bits=policy), compressor.compress():
+        F.cross_entropy(model(torch.randn(64, 48)), torch.randint(0, 100, (64,))).backward()
+    assert asked == {(64, 48): None, (64, 96): None, (64, 100): LOG_PROBABILITY_BITS}
+    assert compressor.minimum_bits(0) is None  # no step running
+
+
 def test_other_saved_tensors_of_the_step_keep_the_configured_bits():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 100))
