@@ -161,6 +161,26 @@ def test_codec_on_the_kernel_path_equals_the_torch_codec(runner, kind):
     assert_same_bits(torch_codec.decode(kernel_packed), torch_codec.decode(torch_packed))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["contiguous", "channels_last"])
+@pytest.mark.toolchain
+@requires_gxx
+def test_codec_kernel_path_takes_either_layout_and_every_dtype(runner, memory_format, dtype):
+    """A (2, 6, 20, 24) activation, contiguous or channels_last, spanning several tiles: the kernel path (float64:
+    the torch path) decodes to the torch codec's values in the input's shape."""
+    x = lorenzo_data("mixed", 2 * 6 * 20 * 24).view(2, 6, 20, 24).to(dtype).contiguous(memory_format=memory_format)
+    runner.launches.clear()
+    with use_runner(runner):
+        kernels = LorenzoCodec(error_bound=1e-2, backend="cupy")
+        decoded = kernels.decode(kernels.encode(x))
+    assert bool(runner.launches) == (dtype != torch.float64)
+    reference = LorenzoCodec(error_bound=1e-2, backend="torch")
+    assert decoded.shape == x.shape
+    assert_same_bits(decoded.contiguous(), reference.decode(reference.encode(x)).contiguous())
+    assert (decoded.float() - x.float()).abs().max() <= 1e-2
+
+
 @pytest.fixture
 def fake_trims(monkeypatch):
     """The codec's trim queue on CPU (``FakeTrimOps``): the emulator's encodes are tracked as CUDA's are."""

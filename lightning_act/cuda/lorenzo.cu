@@ -330,18 +330,20 @@ lorenzo_decode(const unsigned short* __restrict__ header, const unsigned char* _
     for (long long tile = lorenzo_claim_tile(scan); tile < tiles; tile = lorenzo_claim_tile(scan)) {
         const long long first = tile * LORENZO_TILE_BLOCKS + warp * LORENZO_BLOCKS_PER_WARP;
         unsigned int h[LORENZO_BLOCKS_PER_WARP];
+        int size[LORENZO_BLOCKS_PER_WARP];
         unsigned long long bytes = 0;
 #pragma unroll
         for (int j = 0; j < LORENZO_BLOCKS_PER_WARP; ++j) {
             h[j] = first + j < blocks ? header[first + j] : 0u;  // 0: a raw block of no plane, 0 bytes
-            bytes += lorenzo_block_size(h[j], itemsize);
+            size[j] = lorenzo_block_size(h[j], itemsize);
+            bytes += size[j];
         }
         unsigned long long offset = lorenzo_warp_offset(scan, tile, tiles, bytes, warp, lane);
 #pragma unroll
         for (int j = 0; j < LORENZO_BLOCKS_PER_WARP; ++j) {
             if (first + j < blocks) {
                 lorenzo_decode_block(h[j], payload + offset, (first + j) * 32 + lane, lane, numel, step, out, dtype);
-                offset += lorenzo_block_size(h[j], itemsize);
+                offset += size[j];
             }
         }
     }
