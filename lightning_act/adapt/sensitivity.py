@@ -13,6 +13,7 @@ gradients, buffers, RNG, the compressor's step counter, statistics and policies 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -48,10 +49,7 @@ class TensorKey:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 Layout = tuple[TensorKey, ...]

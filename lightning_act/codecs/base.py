@@ -1,6 +1,8 @@
 """The codec interface: ``encode(tensor) -> Packed`` and ``decode(Packed) -> tensor`` with exact stored bytes."""
 from __future__ import annotations
 
+import math
+
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,10 +42,7 @@ class Packed:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Packed":
         """The same compressed form with its buffers on ``device`` (used by CPU swap)."""
