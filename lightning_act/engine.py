@@ -330,19 +330,20 @@ class _Step:
         self.stored: dict[tuple, list] = {}
 
 
-def _view_unit(t: torch.Tensor, storage: torch.UntypedStorage, head: tuple) -> tuple[torch.Tensor, tuple | None, tuple]:
-    """What a memory-order codec compresses for a non-contiguous ``t`` (whose storage is ``storage``; ``head``: its
-    data pointer, dtype and version): its whole storage in memory order, flat, when ``t`` covers most of it
-    (channels_last and other permuted layouts, stride-0 expansions and transposes then cost their real storage,
-    and views of one storage are stored once, under the key of the contiguous tensor filling it), else a
-    contiguous copy. Returns ``(unit, geometry to rebuild t from the decoded unit, de-duplication key)``."""
+def _covered_storage_numel(t: torch.Tensor, storage: torch.UntypedStorage) -> int:
+    """For a non-contiguous ``t`` (whose storage is ``storage``): the element count of that storage when ``t`` covers
+    most of it, else 0. A memory-order codec then compresses the whole storage, flat (channels_last and other
+    permuted layouts, stride-0 expansions and transposes cost their real storage, and views of one storage are
+    stored once, under the key of the contiguous tensor filling it); otherwise a contiguous copy of ``t``."""
     nbytes = storage.nbytes()
     itemsize = t.element_size()
     storage_numel = nbytes // itemsize
-    if nbytes % itemsize == 0 and 0 < storage_numel <= 2 * t.numel():
-        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage_numel,))
-        return flat, _geometry(t), head + (0, storage_numel)
-    return t.contiguous(), None, head + (_geometry(t),)
+    return storage_numel if nbytes % itemsize == 0 and 0 < storage_numel <= 2 * t.numel() else 0
+
+
+def _flat_storage(t: torch.Tensor, storage: torch.UntypedStorage, numel: int) -> torch.Tensor:
+    """The ``numel`` elements of ``storage`` in memory order, as a flat tensor of ``t``'s dtype."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (numel,))
 
 
 class ModelPreparation(Protocol):
@@ -687,21 +688,26 @@ class ActivationCompressor:
         contiguous = t.is_contiguous()
         if contiguous:
             # its own memory range, read in place: the chunks of a split, saved one by one, are stored apart
-            unit, geometry, numel = t, None, t.numel()
+            covered, numel = 0, t.numel()
             key = (ptr, dtype, version, t.storage_offset(), numel)
-        else:
-            unit, geometry, key = _view_unit(t, storage, (ptr, dtype, version))
-            numel = unit.numel()
+        else:  # in memory order: its whole storage where it covers most of it, else a contiguous copy
+            covered = _covered_storage_numel(t, storage)
+            numel = covered or t.numel()
+            key = (ptr, dtype, version, 0, covered) if covered else (ptr, dtype, version, _geometry(t))
         codec, reason = self._decide(step, index, t, numel)
-        if codec is None and contiguous:
-            storage_numel = storage.nbytes() // t.element_size()
-            if numel < storage_numel <= 2 * numel:
-                # kept, a part holds its whole storage alive: counted once with the storage's other parts (an
-                # edge_index saved whole and as its two rows), as the views that cover most of a storage are
-                key, numel = (ptr, dtype, version, 0, storage_numel), storage_numel
-        if codec is not None and codec.logical_layout:
+        geometry = None  # of t in the decoded unit, where the unit is its storage
+        if codec is None:
+            if contiguous:
+                storage_numel = storage.nbytes() // t.element_size()
+                if numel < storage_numel <= 2 * numel:
+                    # kept, a part holds its whole storage alive: counted once with the storage's other parts (an
+                    # edge_index saved whole and as its two rows), as the views that cover most of a storage are
+                    key, numel = (ptr, dtype, version, 0, storage_numel), storage_numel
+        elif codec.logical_layout:
             # the codec reads the tensor's own shape (planes, pooling windows), not its storage in memory order
-            unit, geometry, key = t, None, (ptr, dtype, version, _geometry(t))
+            key = (ptr, dtype, version, _geometry(t))
+        elif covered:
+            geometry = _geometry(t)
         owner = storage  # whose liveness tells that ``key`` still names the same values
         call = step.tracker.current if codec is not None and step.tracker is not None else None
         if call is not None and fn is not None and call.func in op_rules.WEIGHT_ARGUMENT and (
@@ -735,6 +741,9 @@ class ActivationCompressor:
         if codec is None:
             saved = self._keep(step, index, t, reason, original)
         else:
+            # what the codec reads, built only now: a duplicate or a kept tensor needs no copy or storage view
+            unit = t if contiguous or codec.logical_layout else _flat_storage(t, storage, covered) if covered \
+                else t.contiguous()
             policy = self._policies["noise"]
             noise = step.noise_base ^ index if policy is None else policy(step.number, index)  # noise_key()
             side = self.side_stream
