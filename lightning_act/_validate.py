@@ -15,10 +15,10 @@ def _fmt(values: Iterable[Any]) -> str:
 
 def check_choice(field: str, value: Any, allowed: Iterable[Any]) -> None:
     allowed = tuple(allowed)
-    # bool is an int subclass: bits=True must not pass as bits=1
-    if isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed):
-        raise ValueError(f"{field}={value!r}; expected one of {_fmt(allowed)}")
-    if value not in allowed:
+    # bool is an int subclass and 4.0 == 4: bits=True must not pass as bits=1, nor bits=4.0 as 4 (a float reaches
+    # sizes and shifts, and fails there, inside autograd's hook)
+    if value not in allowed or (isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)) or (
+            isinstance(value, float) and not any(isinstance(a, float) for a in allowed)):
         raise ValueError(f"{field}={value!r}; expected one of {_fmt(allowed)}")
 
 

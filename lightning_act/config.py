@@ -90,7 +90,8 @@ class ACTConfig:
         backend: ``"auto"`` (CuPy kernels for CUDA tensors when CuPy imports, else torch), ``"torch"``, ``"cupy"``,
             or ``"compile"`` (the quantize and division torch paths through ``torch.compile``: same bits, fused
             loops; needs a C++ compiler on CPU, Triton on CUDA).
-        error_bound: absolute error bound for error-bounded codecs.
+        error_bound: absolute error bound for error-bounded codecs (``lorenzo``); refused beside a codec that
+            takes none, where it would bound nothing.
         codec_options: other constructor arguments of the codec, e.g. ``{"block_size": 4, "bits": 4}`` for
             ``division`` (names the codec's constructor does not take are refused).
         swap: move compressed activations to host memory in forward, prefetch them in backward (L2).
@@ -173,6 +174,11 @@ class ACTConfig:
         check_choice("backend", self.backend, BACKENDS)
         if self.error_bound is not None:
             check_positive_float("error_bound", self.error_bound)
+            bounded = [name for name in codecs.available() if "error_bound" in codecs.codec_class(name).config_fields]
+            if self.codec not in bounded:  # it would bound nothing: said, not silently dropped
+                raise ValueError(f"error_bound={self.error_bound!r} is the bound of an error-bounded codec "
+                                 f"({', '.join(map(repr, bounded))}); got codec={self.codec!r}, which takes none: choose "
+                                 f"codec={bounded[0]!r} or drop error_bound")
         check_int("adapt_interval", self.adapt_interval, minimum=1)
         if self.bit_budget is not None:
             _check_number_in("bit_budget", self.bit_budget, 1.0, 32.0, "a number in [1, 32]")

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 import lightning_act as act
@@ -18,6 +19,8 @@ def test_l0_means_no_compression():
 @pytest.mark.parametrize("field, value, match", [
     ("bits", 3, r"bits=3; expected one of 1, 2, 4, 8, 16, 32"),
     ("bits", True, r"bits=True; expected one of"),
+    ("bits", 4.0, r"bits=4.0; expected one of 1, 2, 4, 8, 16, 32"),  # equal to 4, but a float reaches the sizes
+    ("blpa_bits", 8.0, r"blpa_bits=8.0; expected one of None, 4, 8"),
     ("opt_level", "L9", r"opt_level='L9'; expected one of 'L0', 'L1', 'L2', 'CB1', 'CB2'"),
     ("codec", "zip", r"codec='zip'; expected one of .*'quantize'"),
     ("group_size", 100, r"group_size=100; expected an integer >= 32 and a multiple of 32"),
@@ -77,9 +80,28 @@ def test_resolve_aliases():
         resolve_config(3)
 
 
+@pytest.mark.parametrize("options", [dict(codec="quantize"), dict(codec="division"), dict(opt_level="L0")])
+def test_an_error_bound_for_a_codec_that_takes_none_is_refused(options):
+    """error_bound bounds lorenzo's error; beside another codec it would bound nothing, silently."""
+    with pytest.raises(ValueError, match=r"error_bound=0.001 is the bound of an error-bounded codec \('lorenzo'\); "
+                                         r"got codec='(quantize|division|none)', which takes none"):
+        act.ACTConfig(error_bound=1e-3, **options)
+    assert act.ACTConfig(codec="lorenzo", error_bound=1e-3).codec_kwargs()["error_bound"] == 1e-3
+
+
 def test_codec_registry_lists_names_on_unknown():
     with pytest.raises(KeyError, match=r"unknown codec 'zstd'; available: .*bitmask.*none.*quantize"):
         act.codecs.get("zstd")
+
+
+@pytest.mark.parametrize("name, options", [
+    ("quantize", {}), ("division", {}), ("lorenzo", {"error_bound": 1e-2}), ("bitmask", {}), ("positive_mask", {}),
+    ("scaled_mask", {}), ("none", {}), ("maxpool_index", {"kernel_size": 2, "input_size": (4, 4)})])
+@pytest.mark.parametrize("given", [[1.0, 2.0], np.ones(3, dtype=np.float32), None], ids=["list", "ndarray", "None"])
+def test_every_codec_on_its_own_refuses_what_is_not_a_tensor(name, options, given):
+    """A codec used on its own says what it takes, not an AttributeError from inside its encode."""
+    with pytest.raises(ValueError, match=rf"{name} codec encodes a torch.Tensor; got {type(given).__name__}"):
+        act.codecs.get(name, **options).encode(given)
 
 
 def test_codec_options_reach_the_codec_and_fields_stay_with_the_config():

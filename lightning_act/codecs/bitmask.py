@@ -6,6 +6,7 @@ import torch
 from . import register, register_dtype_codec
 from ..cuda.masks import mask_decode_packed, mask_encode_packed
 from ..formats._bitpack import pack_bits, unpack_bits
+from ..formats.floats import require_tensor
 from ._chunks import chunk_elements, pack_chunks, unpack_chunks
 from .backend import check_backend
 from .base import Codec, Packed
@@ -35,7 +36,8 @@ class BitmaskCodec(OneBitCodec):
     dtypes = frozenset({torch.bool})
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
-        if x.dtype != torch.bool:
+        if getattr(x, "dtype", None) != torch.bool:
+            require_tensor(self.name, x)
             raise ValueError(f"bitmask codec takes bool tensors; got dtype={x.dtype}")
         if self.runs_kernels(x):
             return Packed(self.name, x.shape, x.dtype, x.device, {"bits": mask_encode_packed(x.contiguous())})

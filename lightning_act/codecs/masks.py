@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..cuda.masks import mask_decode_packed, mask_encode_packed
 from ..formats._bitpack import bit_rows, pack_bits, pack_codes_, packed_nbytes, unpack_bits, unpack_rows
+from ..formats.floats import require_tensor
 from . import op_rules, register
 from ._chunks import chunk_elements, pack_chunks, spans, unpack_chunks
 from .bitmask import OneBitCodec
@@ -45,7 +46,8 @@ FLOATING = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float6
 
 
 def _float_input(codec: str, x: torch.Tensor) -> None:
-    if not x.is_floating_point():
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        require_tensor(codec, x)
         raise ValueError(f"{codec} codec takes floating-point tensors; got dtype={x.dtype}")
 
 
@@ -300,7 +302,8 @@ class MaxPoolIndexCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         per_plane = math.prod(self.output_size)
-        if x.dtype != torch.int64 or x.numel() % per_plane:
+        if getattr(x, "dtype", None) != torch.int64 or x.numel() % per_plane:
+            require_tensor(self.name, x)
             raise ValueError(f"maxpool_index codec takes int64 tensors of whole {list(self.output_size)} output "
                              f"planes; got dtype={x.dtype} with {x.numel()} elements")
         n, device = x.numel(), x.device

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.floats import require_tensor
 from . import register
 from .base import Codec, Packed
 
@@ -13,6 +14,7 @@ class PassthroughCodec(Codec):
     lossless = True
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
+        require_tensor(self.name, x)
         return Packed(self.name, x.shape, x.dtype, x.device, {"raw": x.contiguous()})
 
     def decode(self, packed: Packed) -> torch.Tensor:

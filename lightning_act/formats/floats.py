@@ -17,9 +17,16 @@ CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat1
                  torch.float64: 0x7FF8000000000000}
 
 
+def require_tensor(codec: str, x: object) -> None:
+    """Raise ValueError unless ``x`` is a tensor (a codec used on its own may be handed a list or an array)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{codec} codec encodes a torch.Tensor; got {type(x).__name__}")
+
+
 def check_float_input(codec: str, x: torch.Tensor) -> None:
     """Raise ValueError naming the given dtype and the allowed ones unless ``x`` is a float tensor a codec takes."""
-    if x.dtype not in FLOAT_DTYPES:
+    if getattr(x, "dtype", None) not in FLOAT_DTYPES:
+        require_tensor(codec, x)
         allowed = "/".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
         raise ValueError(f"{codec} codec takes {allowed} tensors; got dtype={x.dtype}")
 
