@@ -28,6 +28,18 @@ def check_int(field: str, value: Any, minimum: int, multiple_of: int = 1) -> Non
         raise ValueError(f"{field}={value!r}; expected {rule}")
 
 
+def check_type(field: str, value: Any, types: type | tuple[type, ...], expected: str, optional: bool = False) -> None:
+    """Raise TypeError naming what was given (its value, or its type) and what is expected unless ``value`` is an
+    instance of ``types`` (or None, where ``optional``): an AttributeError from deep inside says neither."""
+    if isinstance(value, types) or (optional and value is None):
+        return
+    if isinstance(value, type):
+        given = f"{value.__name__} (the class, not an instance of it)"
+    else:
+        given = repr(value) if value is None or isinstance(value, (str, int, float)) else type(value).__name__
+    raise TypeError(f"{field}={given}; expected {expected}")
+
+
 def check_positive_float(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) < float("inf")):
         raise ValueError(f"{field}={value!r}; expected a finite number > 0")

@@ -20,6 +20,7 @@ from torch import nn
 from . import codecs, module_tree, rng
 from .codecs import op_rules
 from .codecs.base import Codec, Packed
+from ._validate import check_type
 from .config import ACTConfig, resolve_config
 from .optrack import FunctionTracker
 from .side_stream import SideStreamEncoder
@@ -433,6 +434,7 @@ class ActivationCompressor:
     """
 
     def __init__(self, model: nn.Module | None = None, config: ACTConfig | str | dict | None = None):
+        check_type("model", model, nn.Module, "an nn.Module or None", optional=True)
         self.model = model
         self.config = resolve_config(config)
         self._codecs: dict[tuple[str, int | None], Codec] = {}

@@ -8,6 +8,7 @@ from typing import Callable
 
 from torch import nn
 
+from ._validate import check_type
 from .engine import ActivationCompressor
 from .stats import CompressionStats
 
@@ -23,6 +24,8 @@ class LayerStats:
 
     def __init__(self, model: nn.Module, compressor: ActivationCompressor,
                  layers: Callable[[nn.Module], dict[str, nn.Module]]):
+        check_type("model", model, nn.Module, "an nn.Module")
+        check_type("compressor", compressor, ActivationCompressor, "an ActivationCompressor")
         self.model = model
         self.compressor = compressor
         self.layers = layers(model)

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,46 @@ def test_codec_options_reach_the_codec_and_fields_stay_with_the_config():
 def test_codec_options_are_checked_when_the_config_is_built(kwargs, match):
     with pytest.raises(ValueError, match=match):
         act.ACTConfig(**kwargs)
+
+
+def _entry_points():
+    """(label, call) for each public entry point given an argument of the wrong type."""
+    from torch import nn
+
+    from lightning_act.adapt import AutoPrecision, ErrorBoundController
+    from lightning_act.integrations import LayerStats, compress_forward, fuse_gcn, unfuse_gcn, unpatch
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    compressor = act.ActivationCompressor(model, act.ACTConfig())
+    return [
+        ("model='net'; expected an nn.Module or None", lambda: act.ActivationCompressor("net")),
+        ("compressor='c'; expected an ActivationCompressor", lambda: AutoPrecision("c")),
+        ("compressor='c'; expected an ActivationCompressor", lambda: ErrorBoundController("c")),
+        ("optimizer='adam'; expected a torch.optim.Optimizer or None",
+         lambda: ErrorBoundController(compressor, "adam")),
+        ("model=Linear (the class, not an instance of it); expected an nn.Module",
+         lambda: LayerStats(nn.Linear, compressor)),
+        ("compressor=dict; expected an ActivationCompressor", lambda: LayerStats(model, {})),
+        ("model='net'; expected an nn.Module", lambda: compress_forward("net")),
+        ("model='net'; expected an nn.Module", lambda: unpatch("net")),
+        ("model='net'; expected an nn.Module", lambda: fuse_gcn("net")),
+        ("model='net'; expected an nn.Module", lambda: unfuse_gcn("net")),
+    ]
+
+
+def test_public_entry_points_name_an_argument_of_the_wrong_type():
+    """A TypeError naming the argument, what was given and what is expected, where an AttributeError from deep
+    inside said neither."""
+    for message, call in _entry_points():
+        with pytest.raises(TypeError, match=re.escape(message)):
+            call()
+
+
+@pytest.mark.parametrize("build", [
+    lambda: act.callbacks.ErrorBoundCallback(interval=0),
+    lambda: __import__("lightning_act.integrations.transformers", fromlist=["ACTTrainer"])._error_bound_options(
+        {"interval": 0}),
+], ids=["lightning callback", "transformers act_error_bound"])
+def test_error_bound_options_are_checked_when_given_not_when_training_starts(build):
+    with pytest.raises(ValueError, match=r"interval=0; expected an integer >= 1"):
+        build()

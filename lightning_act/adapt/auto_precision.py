@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .._validate import check_type
 from .._warn import warn_user
 from ..config import ACTConfig
 from ..engine import ActivationCompressor, PolicyHandle
@@ -88,6 +89,7 @@ class AutoPrecision:
         self._attach(compressor)
 
     def _attach(self, compressor: ActivationCompressor) -> None:
+        check_type("compressor", compressor, ActivationCompressor, "an ActivationCompressor")
         self.detach()
         if compressor.graph_hooks is not None:
             warn_user(

@@ -42,10 +42,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .._validate import check_int, check_positive_float
+from .._validate import check_int, check_positive_float, check_type
 from ..codecs import Codec
 from ..codecs.lorenzo import LorenzoCodec
-from ..engine import PolicyHandle
+from ..engine import ActivationCompressor, PolicyHandle
 from .._warn import warn_user
 
 PAPER_COEFFICIENT = 0.32
@@ -118,6 +118,19 @@ def momentum_magnitude(optimizer: torch.optim.Optimizer | None, param: nn.Parame
     return None
 
 
+def check_options(interval: int = DEFAULT_INTERVAL, coefficient: float = PAPER_COEFFICIENT,
+                  momentum_fraction: float = PAPER_MOMENTUM_FRACTION, initial_error_bound: float | None = None,
+                  fallback_error_bound: float = DEFAULT_FALLBACK_ERROR_BOUND) -> None:
+    """Raise ValueError for a bad :class:`ErrorBoundController` option (its callbacks check them when built, not
+    when training starts)."""
+    check_int("interval", interval, minimum=1)
+    check_positive_float("coefficient", coefficient)
+    check_positive_float("momentum_fraction", momentum_fraction)
+    check_positive_float("fallback_error_bound", fallback_error_bound)
+    if initial_error_bound is not None:
+        check_positive_float("initial_error_bound", initial_error_bound)
+
+
 def paper_error_bound(momentum: float, mean_grad: float, terms: float, nonzero: float,
                       coefficient: float = PAPER_COEFFICIENT,
                       momentum_fraction: float = PAPER_MOMENTUM_FRACTION) -> float | None:
@@ -150,12 +163,10 @@ class ErrorBoundController:
                  interval: int = DEFAULT_INTERVAL, coefficient: float = PAPER_COEFFICIENT,
                  momentum_fraction: float = PAPER_MOMENTUM_FRACTION, initial_error_bound: float | None = None,
                  fallback_error_bound: float = DEFAULT_FALLBACK_ERROR_BOUND, model: nn.Module | None = None):
-        check_int("interval", interval, minimum=1)
-        check_positive_float("coefficient", coefficient)
-        check_positive_float("momentum_fraction", momentum_fraction)
-        check_positive_float("fallback_error_bound", fallback_error_bound)
-        if initial_error_bound is not None:
-            check_positive_float("initial_error_bound", initial_error_bound)
+        check_options(interval, coefficient, momentum_fraction, initial_error_bound, fallback_error_bound)
+        check_type("compressor", compressor, ActivationCompressor, "an ActivationCompressor")
+        check_type("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer or None", optional=True)
+        check_type("model", model, nn.Module, "an nn.Module or None", optional=True)
         model = model if model is not None else compressor.model
         if model is None:
             raise ValueError("ErrorBoundController needs a model: the compressor has none; pass model=")

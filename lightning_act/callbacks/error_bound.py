@@ -6,7 +6,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from ..adapt.error_bound import (DEFAULT_FALLBACK_ERROR_BOUND, DEFAULT_INTERVAL, PAPER_COEFFICIENT,
-                                  PAPER_MOMENTUM_FRACTION, ErrorBoundController)
+                                  PAPER_MOMENTUM_FRACTION, ErrorBoundController, check_options)
 from ..metrics import error_bound_metrics
 
 
@@ -22,6 +22,7 @@ class ErrorBoundCallback(Callback):
                  fallback_error_bound: float = DEFAULT_FALLBACK_ERROR_BOUND):
         self.options = {"interval": interval, "coefficient": coefficient, "momentum_fraction": momentum_fraction,
                         "initial_error_bound": initial_error_bound, "fallback_error_bound": fallback_error_bound}
+        check_options(**self.options)  # now, not when training starts
         self.controller: ErrorBoundController | None = None
         # (global step, layer -> bound) at every refresh, for inspection after training
         self.history: list[tuple[int, dict[str, float]]] = []

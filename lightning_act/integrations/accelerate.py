@@ -26,6 +26,7 @@ import functools
 import torch
 from torch import nn
 
+from .._validate import check_type
 from ..config import ACTConfig
 from ..engine import ActivationCompressor, active_compressor
 from ..model_prep import compiled_wrapper
@@ -46,6 +47,7 @@ def compressed_module(model: nn.Module) -> nn.Module:
     the compile wrapper points its ``_orig_mod`` past DDP, at the module inside)."""
     from accelerate.utils import extract_model_from_parallel
 
+    check_type("model", model, nn.Module, "an nn.Module (as accelerator.prepare returned it)")
     compiled = compiled_wrapper(model)  # (not `or`: a module's truth is its len() where it has one)
     return compiled if compiled is not None else extract_model_from_parallel(model, keep_torch_compile=False)
 

@@ -26,8 +26,10 @@ from typing import Callable
 from torch import nn
 
 from .. import layer_stats
+from .._validate import check_choice, check_type
 from ..engine import ActivationCompressor
 from ..layer_stats import OUTSIDE
+from ..nn._chunks import chunk_rows
 from ..nn.relu_dropout import ReLUDropout
 from ..nn.sparse_gcn import DEFAULT_CHUNK_BYTES, SparseGCNConv
 
@@ -92,6 +94,9 @@ def fuse_gcn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rel
     raises ``ValueError``. :func:`unfuse_gcn` undoes it."""
     from torch_geometric.nn import GCNConv
 
+    check_type("model", model, nn.Module, "an nn.Module")
+    chunk_rows(chunk_bytes, 1)  # checked here too: a model with no GCNConv to swap builds none
+    check_choice("relu_dropout", relu_dropout, (True, False))
     if isinstance(model, GCNConv):
         raise TypeError("fuse_gcn swaps the GCNConv layers inside a model; for a single layer build "
                          "lightning_act.nn.SparseGCNConv and load the GCNConv's state dict")
@@ -114,6 +119,7 @@ def fuse_gcn(model: nn.Module, chunk_bytes: int | str = DEFAULT_CHUNK_BYTES, rel
 def unfuse_gcn(model: nn.Module) -> nn.Module:
     """Put back what :func:`fuse_gcn` swapped in ``model`` (the originals take the fused modules' training mode;
     their parameters were shared all along); returns ``model``. A model never fused is returned unchanged."""
+    check_type("model", model, nn.Module, "an nn.Module")
     for parent, name, original in reversed(model.__dict__.pop(_SWAPS, [])):
         original.train(getattr(parent, name).training)
         setattr(parent, name, original)

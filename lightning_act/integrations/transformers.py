@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..adapt.auto_precision import AutoPrecision
-from ..adapt.error_bound import ErrorBoundController
+from ..adapt.error_bound import ErrorBoundController, check_options
 from ..adapt.memory_budget import MemoryBudget
 from ..config import ACTConfig, resolve_config
 from ..engine import ActivationCompressor
@@ -215,4 +215,5 @@ def _error_bound_options(spec: bool | dict[str, Any]) -> dict[str, Any] | None:
     if unknown:
         raise ValueError(f"act_error_bound has unknown options {', '.join(unknown)}; expected some of "
                          f"{', '.join(allowed)}")
+    check_options(**spec)  # the values too, before training starts
     return dict(spec)
