@@ -566,6 +566,9 @@ class ActivationCompressor:
         if unknown:
             raise TypeError(f"install_policy got unknown slot(s) {', '.join(unknown)}; expected some of "
                             f"{', '.join(POLICY_SLOTS)}")
+        for slot, policy in policies.items():  # else it fails at the first saved tensor, inside autograd's hook
+            if policy is not None and not callable(policy):
+                raise TypeError(f"install_policy({slot}={policy!r}); expected a callable or None")
         handle = PolicyHandle(self, policies)
         self._set_policy_handles(self._policy_handles + [handle])
         return handle

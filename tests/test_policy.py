@@ -80,6 +80,14 @@ def test_unknown_slot_is_rejected(compressor):
     assert _slots(compressor) == (None, None, None)
 
 
+@pytest.mark.parametrize("slot", ["bits", "codec", "noise"])
+def test_a_policy_that_is_not_callable_is_rejected_when_installed(compressor, slot):
+    """bits=4 for bits=lambda index, t: 4 would fail at the first saved tensor, inside autograd's hook."""
+    with pytest.raises(TypeError, match=rf"install_policy\({slot}=4\); expected a callable or None"):
+        compressor.install_policy(**{slot: 4})
+    assert _slots(compressor) == (None, None, None)
+
+
 def test_detached_steps_put_the_policies_back(compressor):
     before = _bits(8)
     outer = compressor.install_policy(bits=before)
