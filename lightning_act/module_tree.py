@@ -15,6 +15,8 @@ import weakref
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from ._validate import check_type
+
 _generation = 0
 _modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (generation, its modules)
 
@@ -29,7 +31,11 @@ register_module_module_registration_hook(_tree_changed)
 
 def modules(model: nn.Module) -> tuple[nn.Module, ...]:
     """``tuple(model.modules())``, cached until a module is registered anywhere."""
-    hit = _modules.get(model)
+    try:
+        hit = _modules.get(model)
+    except TypeError:  # not weak-referenceable: not a module (the converters pass the user's model here first)
+        check_type("model", model, nn.Module, "an nn.Module")
+        raise
     if hit is not None and hit[0] == _generation:
         return hit[1]
     generation = _generation  # read before walking: a registration during the walk invalidates the result

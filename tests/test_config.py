@@ -156,6 +156,10 @@ def _entry_points():
         ("model='net'; expected an nn.Module", lambda: unpatch("net")),
         ("model='net'; expected an nn.Module", lambda: fuse_gcn("net")),
         ("model='net'; expected an nn.Module", lambda: unfuse_gcn("net")),
+        ("model='net'; expected an nn.Module", lambda: act.nn.convert_bn_relu("net")),
+        ("model='net'; expected an nn.Module", lambda: act.nn.convert_bounded_cnn("net")),
+        ("model='net'; expected an nn.Module", lambda: act.nn.convert_bounded_ffn("net")),
+        ("model='net'; expected an nn.Module", lambda: act.nn.wrap_conv_trunks("net")),
     ]
 
 
@@ -173,5 +177,7 @@ def test_public_entry_points_name_an_argument_of_the_wrong_type():
         {"interval": 0}),
 ], ids=["lightning callback", "transformers act_error_bound"])
 def test_error_bound_options_are_checked_when_given_not_when_training_starts(build):
+    """A bad option fails where it is written, not minutes later when the first optimizer step builds the
+    controller."""
     with pytest.raises(ValueError, match=r"interval=0; expected an integer >= 1"):
         build()

@@ -144,6 +144,13 @@ def test_bad_chunk_size_raises_naming_the_value(bad):
         ReLUDropout(0.5, chunk_bytes=bad)
 
 
+@pytest.mark.parametrize("field, args", [("in_channels", (-1, 4)), ("out_channels", (4, 0))])
+def test_channel_counts_are_checked_naming_the_value(field, args):
+    """GCNConv's lazy in_channels=-1 is not supported: said here, not as a negative-dimension tensor error."""
+    with pytest.raises(ValueError, match=rf"{field}={args[field == 'out_channels']}; expected an integer >= 1"):
+        SparseGCNConv(*args)
+
+
 def test_bad_dropout_and_adjacency():
     with pytest.raises(ValueError, match="p=1.0"):
         ReLUDropout(1.0)

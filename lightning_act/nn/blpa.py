@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validate import check_choice
+from .._validate import check_choice, check_type
 from ..formats._bitpack import pack_codes, unpack_codes
 
 ALLOWED_BITS = (4, 8)
@@ -151,6 +151,7 @@ class BNReLUBlock(nn.Module):
 def convert_bn_relu(model: nn.Module, bits: int = 8) -> int:
     """Replace every ``BatchNorm -> ReLU -> Conv/Linear`` run of consecutive children of an ``nn.Sequential``
     in ``model`` (at any depth) by a :class:`BNReLUBlock` named like the BatchNorm. Returns how many."""
+    check_type("model", model, nn.Module, "an nn.Module")
     check_choice("bits", bits, ALLOWED_BITS)
     replaced = 0
     for module in list(model.modules()):

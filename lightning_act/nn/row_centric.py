@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_act._validate import check_type
 from lightning_act.nn.row_executor import MODES, check_rows, row_bounds, segment_stack
 from lightning_act.nn.row_ops import (
     ROW_DIM,
@@ -133,6 +134,7 @@ def wrap_conv_trunks(model: nn.Module, rows: int = 4, mode: str = "overlap", *,
     objects, so optimizers built before keep working; their state-dict keys gain the wrapper's prefix.
     Returns the wrapped runs as ``"path[first:stop]"``.
     """
+    check_type("model", model, nn.Module, "an nn.Module")
     check_rows("min_windows", min_windows)
     wrapped: list[str] = []
 

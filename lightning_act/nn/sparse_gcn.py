@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._validate import check_int
 from ._chunks import DEFAULT_CHUNK_BYTES, SavedEntries, chunk_rows, row_bounds
 
 __all__ = ["SparseGCNConv", "csr_rows", "csr_transpose", "gcn_adjacency", "normalized_adjacency", "sparse_gcn"]
@@ -187,6 +188,8 @@ class SparseGCNConv(nn.Module):
                  add_self_loops: bool | None = None, normalize: bool = True, bias: bool = True,
                  chunk_bytes: int | str = DEFAULT_CHUNK_BYTES):
         super().__init__()
+        check_int("in_channels", in_channels, minimum=1)
+        check_int("out_channels", out_channels, minimum=1)
         if add_self_loops is None:
             add_self_loops = normalize
         if add_self_loops and not normalize:
