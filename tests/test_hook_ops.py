@@ -72,38 +72,50 @@ def _hook_ops(monkeypatch, options: dict, dtype: torch.dtype = torch.float32):
 
 ONE_FORM = Counter({"empty.memory_format": 1, "detach.default": 1})
 # a memory-order codec stores a transposed key (a view filling its storage) as that storage, flat
-STORAGE_VIEW = Counter({"empty.memory_format": 2, "set_.source_Storage_storage_offset": 1, "detach.default": 1})
-# division reads planes in the tensor's own shape: a contiguous copy of it, and no storage view built for nothing
-LOGICAL_COPY = ONE_FORM + Counter({"clone.default": 1})
+STORAGE_VIEW = Counter({"empty.memory_format": 1, "set_.source_Storage_storage_offset": 1})
+# what a codec reads where the storage will not do: a contiguous copy (division reads planes in the tensor's own
+# shape; a view covering a third of its storage is copied), and no storage view built for nothing
+CONTIGUOUS_COPY = Counter({"clone.default": 1})
+# lorenzo's launches each take a zeroed scan state (its single-pass prefix sum over thread blocks)
+SCAN_STATE = Counter({"zeros.default": 1})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("codec_options, transposed", [(dict(bits=4, adaptive=False), STORAGE_VIEW),
-                                                       (dict(bits=2, adaptive=False), STORAGE_VIEW),
-                                                       (dict(codec="division"), LOGICAL_COPY)],
-                         ids=["4-bit", "2-bit", "division"])
-def test_a_compressed_save_costs_one_allocation_and_one_alias(monkeypatch, codec_options, transposed, dtype):
+@pytest.mark.parametrize("codec_options, transposed, per_launch", [
+    (dict(bits=4, adaptive=False), STORAGE_VIEW, Counter()),
+    (dict(bits=2, adaptive=False), STORAGE_VIEW, Counter()),
+    (dict(codec="division"), CONTIGUOUS_COPY, Counter()),
+    (dict(codec="lorenzo", error_bound=1e-2), STORAGE_VIEW, SCAN_STATE),
+], ids=["4-bit", "2-bit", "division", "lorenzo"])
+def test_a_compressed_save_costs_one_allocation_and_one_alias(monkeypatch, codec_options, transposed, per_launch,
+                                                              dtype):
     """Per compressed tensor, pack runs the encoded form's one allocation and the version alias (``detach``), and
-    one launch; a transposed key also its flat storage view, or the copy a logical-layout codec reads. Unpack runs
-    the decoded tensor's allocation, one launch, and a view op only where the tensor is a view of what was stored.
-    Kept tensors and parameters run no ATen op; a duplicate, only its alias."""
+    one launch (lorenzo: and its zeroed scan state); a transposed key also its flat storage view, or the copy a
+    logical-layout codec reads. Unpack runs the decoded tensor's allocation, one launch (and scan state), and a
+    view op only where the tensor is a view of what was stored. Kept tensors and parameters run no ATen op; a
+    duplicate, only its alias. The ReLU output's 1-bit mask costs what a plain quantized tensor does."""
     packs, unpacks, kernels = _hook_ops(monkeypatch, codec_options, dtype)
-    compressed = [ops for record, ops in packs if record.kind == COMPRESSED]
+    compressed = [(record.codec, ops) for record, ops in packs if record.kind == COMPRESSED]
     assert len(compressed) >= 12
-    assert all(ops in (ONE_FORM, transposed) for ops in compressed), compressed
-    assert compressed.count(transposed) == 2  # the two blocks' transposed keys
+    forms = Counter()
+    for codec, ops in compressed:
+        plain = ONE_FORM + (per_launch if codec != "positive_mask" else Counter())
+        assert ops in (plain, plain + transposed), (codec, ops)
+        forms[ops == plain] += 1
+    assert forms[False] == 2  # the two blocks' transposed keys
     for record, ops in packs:
         if record.kind in (KEPT, PARAMETER):
             assert not ops, (record, ops)
         elif record.kind == DUPLICATE:
             assert set(ops) <= {"detach.default"}, (record, ops)
-    decoded = [ops for codec, ops in unpacks if codec is not None]
+    decoded = [(codec, ops) for codec, ops in unpacks if codec is not None]
     assert len(decoded) >= len(compressed)
-    for ops in decoded:
-        assert ops["empty.memory_format"] == 1 and set(ops) <= {"empty.memory_format", "as_strided.default",
-                                                                 "view.default"}, ops
+    for codec, ops in decoded:
+        plain = Counter({"empty.memory_format": 1}) + (per_launch if codec != "positive_mask" else Counter())
+        views = ops - plain
+        assert ops - views == plain and set(views) <= {"as_strided.default", "view.default"}, (codec, ops)
     # the transposed keys, from their decoded storages
-    assert sum(ops["as_strided.default"] for ops in decoded) == (2 if transposed is STORAGE_VIEW else 0)
+    assert sum(ops["as_strided.default"] for _, ops in decoded) == (2 if transposed is STORAGE_VIEW else 0)
     assert all(not ops for codec, ops in unpacks if codec is None)
     # one launch a direction per compressed form (the ReLU output's mask among them)
     assert len(kernels) == len(compressed) + len(decoded)
@@ -140,7 +152,7 @@ class _SaveThird(torch.autograd.Function):
         return grad
 
 
-@pytest.mark.parametrize("min_numel, ops", [(1 << 20, Counter()), (64, ONE_FORM + Counter({"clone.default": 1}))],
+@pytest.mark.parametrize("min_numel, ops", [(1 << 20, Counter()), (64, ONE_FORM + CONTIGUOUS_COPY)],
                          ids=["kept", "quantized"])
 def test_a_strided_third_is_copied_only_when_it_is_compressed(monkeypatch, min_numel, ops):
     """A view covering a third of its storage is compressed as a contiguous copy of it; kept (under ``min_numel``)
