@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import lightning_act as act
+from lightning_act.codecs.quantize import ALLOWED_BITS
 from lightning_act.datasets import digits_loaders
 from lightning_act.integrations import compress_forward, compressed_module, unpatch
 from lightning_act.metrics import write_stats
@@ -101,7 +102,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=int, default=-1, help="stop each run after this many batches (-1: all)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--bits", type=int, default=4, help="bits per activation element (1, 2, 4, 8)")
+    parser.add_argument("--bits", type=int, default=4, choices=ALLOWED_BITS,
+                        help="bits per activation element")
     parser.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default="no")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--api", choices=("context", "patch"), default="context",

