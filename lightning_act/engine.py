@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from . import codecs, module_tree, rng
+from ._validate import check_type
 from .codecs import op_rules
 from .codecs.base import Codec, Packed
-from ._validate import check_type
 from .config import ACTConfig, resolve_config
 from .optrack import FunctionTracker
 from .side_stream import SideStreamEncoder
