@@ -60,7 +60,8 @@ class ACTConfig:
     Args:
         opt_level: GACT optimisation level, one of ``LEVELS`` (see the module table). Unset fields take the
             level's preset.
-        codec: codec for float activations (``act.codecs.available()``); ``None`` = the level's.
+        codec: codec for float activations (``act.codecs.general()``: the op-specific masks are the op rules'
+            choice); ``None`` = the level's.
         bits: bits per element for ``quantize`` (1, 2, 4, 8, 16, 32); ``None`` = the level's. With ``adaptive``,
             the average (the default ``bit_budget``) and the bits of tensors not yet estimated.
         adaptive: GACT auto-precision (per-tensor bits from estimated sensitivities) for ``quantize``; ``None`` =
@@ -142,7 +143,7 @@ class ACTConfig:
         for name, value in _LEVEL_PRESETS[self.opt_level].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-        check_choice("codec", self.codec, codecs.available())
+        check_choice("codec", self.codec, codecs.general())
         check_choice("bits", self.bits, ALLOWED_BITS)
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_bytes("memory_budget", self.memory_budget))

@@ -91,6 +91,18 @@ def test_an_error_bound_for_a_codec_that_takes_none_is_refused(options):
     assert act.ACTConfig(codec="lorenzo", error_bound=1e-3).codec_kwargs()["error_bound"] == 1e-3
 
 
+@pytest.mark.parametrize("codec", ["positive_mask", "scaled_mask", "bitmask", "maxpool_index"])
+def test_the_config_codec_is_one_that_stores_any_activation(codec):
+    """The 1-bit masks and max-pool indices hold what one op saves (the op rules choose them): as the codec of every
+    activation, positive_mask stored signs for values (a gradient at cosine 0.25) and scaled_mask failed inside
+    the hook."""
+    assert act.codecs.general() == ("division", "lorenzo", "none", "quantize")
+    with pytest.raises(ValueError, match=rf"codec='{codec}'; expected one of 'division', 'lorenzo', 'none', "
+                                         r"'quantize'"):
+        act.ACTConfig(codec=codec)
+    assert codec in act.codecs.available()  # still usable on its own and by the op rules
+
+
 def test_codec_registry_lists_names_on_unknown():
     with pytest.raises(KeyError, match=r"unknown codec 'zstd'; available: .*bitmask.*none.*quantize"):
         act.codecs.get("zstd")

@@ -25,6 +25,11 @@ def available() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+def general() -> tuple[str, ...]:
+    """Names of the registered codecs that store any tensor of their dtypes (those ``ACTConfig.codec`` takes)."""
+    return tuple(name for name in available() if _REGISTRY[name].general)
+
+
 def register_dtype_codec(dtype: torch.dtype, name: str) -> None:
     """Make codec ``name`` the one the engine uses for every saved tensor of ``dtype`` (a lossless form)."""
     _DTYPE_CODECS[dtype] = name
@@ -51,4 +56,5 @@ def get(name: str, **options) -> Codec:
 # Registration happens at import of each codec module.
 from . import bitmask, division, lorenzo, masks, passthrough, quantize  # noqa: E402,F401
 
-__all__ = ["Codec", "Packed", "available", "codec_class", "dtype_codec", "get", "register", "register_dtype_codec"]
+__all__ = ["Codec", "Packed", "available", "codec_class", "dtype_codec", "general", "get", "register",
+           "register_dtype_codec"]

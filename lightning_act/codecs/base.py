@@ -75,6 +75,10 @@ class Codec(ABC):
     # Whether a form's ``nbytes`` may fall after ``encode`` returns (lorenzo's lazy trim on CUDA): the codec then
     # calls the form's ``on_resize`` with its new size.
     shrinks_later: ClassVar[bool] = False
+    # Whether the codec stores any tensor of its dtypes, so that ``ACTConfig.codec`` may name it. False: it holds
+    # only what one op saves (a ReLU output's signs, dropout noise, max-pool indices, a bool mask) and is chosen
+    # by that op's rule: as the codec of every activation it would silently store the wrong values.
+    general: ClassVar[bool] = True
 
     @abstractmethod
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:

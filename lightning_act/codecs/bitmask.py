@@ -18,6 +18,7 @@ class OneBitCodec(Codec):
     dtype the codec takes, the same bits as its torch path."""
 
     lossless = True
+    general = False  # a mask of one op's tensor: the op rules and the bool dtype choose it
 
     def __init__(self, backend: str = "auto"):
         check_backend(backend)

@@ -233,6 +233,7 @@ class MaxPoolIndexCodec(Codec):
     """
 
     name = "maxpool_index"
+    general = False  # one pooling's indices: its op rule chooses it
     lossless = True
     dtypes = frozenset({torch.int64})
     logical_layout = True  # indices are flat positions in their (row-major) input plane, whatever the strides
