@@ -178,8 +178,8 @@ class ACTConfig:
             bounded = [name for name in codecs.available() if "error_bound" in codecs.codec_class(name).config_fields]
             if self.codec not in bounded:  # it would bound nothing: said, not silently dropped
                 raise ValueError(f"error_bound={self.error_bound!r} is the bound of an error-bounded codec "
-                                 f"({', '.join(map(repr, bounded))}); got codec={self.codec!r}, which takes none: choose "
-                                 f"codec={bounded[0]!r} or drop error_bound")
+                                 f"({', '.join(map(repr, bounded))}); got codec={self.codec!r}, which takes none: "
+                                 f"choose codec={bounded[0]!r} or drop error_bound")
         check_int("adapt_interval", self.adapt_interval, minimum=1)
         if self.bit_budget is not None:
             _check_number_in("bit_budget", self.bit_budget, 1.0, 32.0, "a number in [1, 32]")

@@ -747,8 +747,9 @@ class ActivationCompressor:
             saved = self._keep(step, index, t, reason, original)
         else:
             # what the codec reads, built only now: a duplicate or a kept tensor needs no copy or storage view
-            unit = t if contiguous or codec.logical_layout else _flat_storage(t, storage, covered) if covered \
-                else t.contiguous()
+            unit = t
+            if not (contiguous or codec.logical_layout):
+                unit = _flat_storage(t, storage, covered) if covered else t.contiguous()
             policy = self._policies["noise"]
             noise = step.noise_base ^ index if policy is None else policy(step.number, index)  # noise_key()
             side = self.side_stream

@@ -40,8 +40,9 @@ def _model():
 
 
 def _hook_ops(monkeypatch, options: dict, dtype: torch.dtype = torch.float32):
-    """Run one compressed step under ``ACTConfig(backend="cupy", min_numel=64, **options)``; returns ``(pack ops by record kind and codec, unpack ops by codec, kernels)``:
-    for each saved tensor the ATen ops its pack hook ran, keyed by its record, and likewise its unpack."""
+    """Run one compressed step under ``ACTConfig(backend="cupy", min_numel=64, **options)``; returns ``(packs,
+    unpacks, kernels)``: for each saved tensor the ATen ops its pack hook ran with its record, the ops its unpack
+    ran with its codec's name, and the kernels launched."""
     packs, unpacks = [], []
     pack, unpack = ActivationCompressor._pack, ActivationCompressor._unpack
 
@@ -177,3 +178,57 @@ def test_a_strided_third_is_copied_only_when_it_is_compressed(monkeypatch, min_n
     if not ops:  # kept: the values themselves (the no-op runner writes no decoded values)
         y.sum().backward()
         torch.testing.assert_close(_SaveThird.unpacked, x.detach().chunk(3, dim=-1)[0], rtol=0, atol=0)
+
+
+class _SaveAsGiven(torch.autograd.Function):
+    """Saves its input as it is (a channels_last activation keeps its strides)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved, = ctx.saved_tensors
+        _SaveAsGiven.unpacked = saved.clone(memory_format=torch.preserve_format)
+        return grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("codec_options, ops, atol, strided", [
+    # its whole storage, flat, read in place, and rebuilt with its strides
+    (dict(bits=8, adaptive=False), ONE_FORM + STORAGE_VIEW, 0.03, True),
+    # planes in the tensor's own shape (2-bit residuals of 8 x 8 block means), decoded contiguous
+    (dict(codec="division"), ONE_FORM + CONTIGUOUS_COPY, 2.0, False),
+], ids=["quantize", "division"])
+def test_a_channels_last_activation_is_read_as_its_codec_reads_it(monkeypatch, codec_options, ops, atol, strided,
+                                                                   dtype):
+    """A channels_last conv activation: a memory-order codec reads its storage as it lies (no copy), a
+    logical-layout codec a contiguous copy; either way it comes back with its values, float64 included (the
+    values checked on the torch path, the ops on the CUDA path)."""
+    packs = []
+    pack = ActivationCompressor._pack
+
+    def recorded_pack(self, step, t):
+        with recorded_ops() as recorded:
+            saved = pack(self, step, t)
+        packs.append(Counter(recorded.ops))
+        return saved
+
+    monkeypatch.setattr(ActivationCompressor, "_pack", recorded_pack)
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 12, 12, dtype=dtype).relu().to(memory_format=torch.channels_last).requires_grad_()
+    for backend in ("cupy", "torch"):
+        with use_runner(RecordingRunner()):
+            compressor = act.ActivationCompressor(nn.Linear(1, 1), act.ACTConfig(backend=backend, min_numel=64,
+                                                                                 **codec_options))
+            with compressor.compress():
+                y = _SaveAsGiven.apply(x * 1)  # an op output, channels_last like x
+            if backend == "cupy":
+                assert packs[-1] == ops
+            else:
+                y.sum().backward()
+    assert _SaveAsGiven.unpacked.dtype == dtype
+    assert _SaveAsGiven.unpacked.is_contiguous(memory_format=torch.channels_last) == strided
+    torch.testing.assert_close(_SaveAsGiven.unpacked, x.detach(), rtol=0, atol=atol)
