@@ -39,27 +39,39 @@ def _model():
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), _Attention(64), _Attention(64), nn.Linear(64, 4))
 
 
-def _hook_ops(monkeypatch, options: dict, dtype: torch.dtype = torch.float32):
+class HookOps:
+    """The ATen ops each pack and unpack hook ran, in order: ``packs`` of ``(record, ops)`` (the saved tensor's
+    record), ``unpacks`` of ``(codec name or None, ops)``."""
+
+    def __init__(self, monkeypatch):
+        self.packs, self.unpacks = [], []
+        pack, unpack = ActivationCompressor._pack, ActivationCompressor._unpack
+
+        def recorded_pack(compressor, step, t):
+            with recorded_ops() as ops:
+                saved = pack(compressor, step, t)
+            self.packs.append((step.records[-1], Counter(ops.ops)))
+            return saved
+
+        def recorded_unpack(saved):
+            with recorded_ops() as ops:
+                out = unpack(saved)
+            self.unpacks.append((saved.codec.name if saved.codec is not None else None, Counter(ops.ops)))
+            return out
+
+        monkeypatch.setattr(ActivationCompressor, "_pack", recorded_pack)
+        monkeypatch.setattr(ActivationCompressor, "_unpack", staticmethod(recorded_unpack))
+
+
+@pytest.fixture
+def hook_ops(monkeypatch):
+    return HookOps(monkeypatch)
+
+
+def _compressed_step(hook_ops: HookOps, options: dict, dtype: torch.dtype = torch.float32):
     """Run one compressed step under ``ACTConfig(backend="cupy", min_numel=64, **options)``; returns ``(packs,
     unpacks, kernels)``: for each saved tensor the ATen ops its pack hook ran with its record, the ops its unpack
     ran with its codec's name, and the kernels launched."""
-    packs, unpacks = [], []
-    pack, unpack = ActivationCompressor._pack, ActivationCompressor._unpack
-
-    def recorded_pack(self, step, t):
-        with recorded_ops() as ops:
-            saved = pack(self, step, t)
-        packs.append((step.records[-1], Counter(ops.ops)))
-        return saved
-
-    def recorded_unpack(saved):
-        with recorded_ops() as ops:
-            out = unpack(saved)
-        unpacks.append((saved.codec.name if saved.codec is not None else None, Counter(ops.ops)))
-        return out
-
-    monkeypatch.setattr(ActivationCompressor, "_pack", recorded_pack)
-    monkeypatch.setattr(ActivationCompressor, "_unpack", staticmethod(recorded_unpack))
     model = _model().to(dtype)
     x = torch.randn(4, 16, 32, dtype=dtype)
     runner = RecordingRunner()
@@ -68,7 +80,7 @@ def _hook_ops(monkeypatch, options: dict, dtype: torch.dtype = torch.float32):
         with compressor.compress():
             loss = model(x).float().square().mean()
         loss.backward()
-    return packs, unpacks, runner.kernels
+    return hook_ops.packs, hook_ops.unpacks, runner.kernels
 
 
 ONE_FORM = Counter({"empty.memory_format": 1, "detach.default": 1})
@@ -88,14 +100,14 @@ SCAN_STATE = Counter({"zeros.default": 1})
     (dict(codec="division"), CONTIGUOUS_COPY, Counter()),
     (dict(codec="lorenzo", error_bound=1e-2), STORAGE_VIEW, SCAN_STATE),
 ], ids=["4-bit", "2-bit", "division", "lorenzo"])
-def test_a_compressed_save_costs_one_allocation_and_one_alias(monkeypatch, codec_options, transposed, per_launch,
+def test_a_compressed_save_costs_one_allocation_and_one_alias(hook_ops, codec_options, transposed, per_launch,
                                                               dtype):
     """Per compressed tensor, pack runs the encoded form's one allocation and the version alias (``detach``), and
     one launch (lorenzo: and its zeroed scan state); a transposed key also its flat storage view, or the copy a
     logical-layout codec reads. Unpack runs the decoded tensor's allocation, one launch (and scan state), and a
     view op only where the tensor is a view of what was stored. Kept tensors and parameters run no ATen op; a
     duplicate, only its alias. The ReLU output's 1-bit mask costs what a plain quantized tensor does."""
-    packs, unpacks, kernels = _hook_ops(monkeypatch, codec_options, dtype)
+    packs, unpacks, kernels = _compressed_step(hook_ops, codec_options, dtype)
     compressed = [(record.codec, ops) for record, ops in packs if record.kind == COMPRESSED]
     assert len(compressed) >= 12
     forms = Counter()
@@ -122,7 +134,7 @@ def test_a_compressed_save_costs_one_allocation_and_one_alias(monkeypatch, codec
     assert len(kernels) == len(compressed) + len(decoded)
 
 
-def test_the_count_fails_for_an_op_added_to_the_hot_path(monkeypatch):
+def test_the_count_fails_for_an_op_added_to_the_hot_path(monkeypatch, hook_ops):
     """The guard above can fail: an encode that also clones its input shows up as an extra op per tensor."""
     from lightning_act.codecs.quantize import QuantizeCodec
 
@@ -132,7 +144,7 @@ def test_the_count_fails_for_an_op_added_to_the_hot_path(monkeypatch):
         return encode(self, x.clone(), key=key)
 
     monkeypatch.setattr(QuantizeCodec, "encode", cloning_encode)
-    packs, _, _ = _hook_ops(monkeypatch, dict(bits=4, adaptive=False))
+    packs, _, _ = _compressed_step(hook_ops, dict(bits=4, adaptive=False))
     compressed = [ops for record, ops in packs if record.kind == COMPRESSED and record.codec == "quantize"]
     assert compressed and all(ops["clone.default"] == 1 for ops in compressed)
 
@@ -155,26 +167,16 @@ class _SaveThird(torch.autograd.Function):
 
 @pytest.mark.parametrize("min_numel, ops", [(1 << 20, Counter()), (64, ONE_FORM + CONTIGUOUS_COPY)],
                          ids=["kept", "quantized"])
-def test_a_strided_third_is_copied_only_when_it_is_compressed(monkeypatch, min_numel, ops):
+def test_a_strided_third_is_copied_only_when_it_is_compressed(hook_ops, min_numel, ops):
     """A view covering a third of its storage is compressed as a contiguous copy of it; kept (under ``min_numel``)
     it is held as it is, with no copy made and thrown away. Either way the backward reads its values."""
-    packs = []
-    pack = ActivationCompressor._pack
-
-    def recorded_pack(self, step, t):
-        with recorded_ops() as recorded:
-            saved = pack(self, step, t)
-        packs.append(Counter(recorded.ops))
-        return saved
-
-    monkeypatch.setattr(ActivationCompressor, "_pack", recorded_pack)
     x = torch.randn(8, 16, 96, requires_grad=True)
     with use_runner(RecordingRunner()):
         compressor = act.ActivationCompressor(nn.Linear(1, 1), act.ACTConfig(backend="cupy", bits=8, adaptive=False,
                                                                              min_numel=min_numel))
         with compressor.compress():
             y = _SaveThird.apply(x * 1)  # an op output: x itself would be a leaf (a parameter to the engine)
-    assert packs[-1] == ops
+    assert hook_ops.packs[-1][1] == ops
     if not ops:  # kept: the values themselves (the no-op runner writes no decoded values)
         y.sum().backward()
         torch.testing.assert_close(_SaveThird.unpacked, x.detach().chunk(3, dim=-1)[0], rtol=0, atol=0)
@@ -202,21 +204,11 @@ class _SaveAsGiven(torch.autograd.Function):
     # planes in the tensor's own shape (2-bit residuals of 8 x 8 block means), decoded contiguous
     (dict(codec="division"), ONE_FORM + CONTIGUOUS_COPY, 2.0, False),
 ], ids=["quantize", "division"])
-def test_a_channels_last_activation_is_read_as_its_codec_reads_it(monkeypatch, codec_options, ops, atol, strided,
+def test_a_channels_last_activation_is_read_as_its_codec_reads_it(hook_ops, codec_options, ops, atol, strided,
                                                                    dtype):
     """A channels_last conv activation: a memory-order codec reads its storage as it lies (no copy), a
     logical-layout codec a contiguous copy; either way it comes back with its values, float64 included (the
     values checked on the torch path, the ops on the CUDA path)."""
-    packs = []
-    pack = ActivationCompressor._pack
-
-    def recorded_pack(self, step, t):
-        with recorded_ops() as recorded:
-            saved = pack(self, step, t)
-        packs.append(Counter(recorded.ops))
-        return saved
-
-    monkeypatch.setattr(ActivationCompressor, "_pack", recorded_pack)
     torch.manual_seed(0)
     x = torch.randn(4, 8, 12, 12, dtype=dtype).relu().to(memory_format=torch.channels_last).requires_grad_()
     for backend in ("cupy", "torch"):
@@ -226,7 +218,7 @@ def test_a_channels_last_activation_is_read_as_its_codec_reads_it(monkeypatch, c
             with compressor.compress():
                 y = _SaveAsGiven.apply(x * 1)  # an op output, channels_last like x
             if backend == "cupy":
-                assert packs[-1] == ops
+                assert hook_ops.packs[-1][1] == ops
             else:
                 y.sum().backward()
     assert _SaveAsGiven.unpacked.dtype == dtype
