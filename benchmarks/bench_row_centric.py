@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
 from lightning_act.nn import RowCentric
+from lightning_act.profiling import measure_step_memory
 
 
 def vgg_stack() -> nn.Sequential:
@@ -40,15 +40,9 @@ def vgg_stack() -> nn.Sequential:
                          *block(32, 64), *block(64, 64))
 
 
-def peak_bytes(step: Callable[[], None]) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
+def peak_bytes(step) -> int:
+    """Peak of CPU bytes allocated during ``step()`` above the level at its start (profiler events)."""
+    return measure_step_memory(step).peak_bytes
 
 
 def time_ratio(step: Callable[[], None], plain: Callable[[], None], repeats: int) -> float:

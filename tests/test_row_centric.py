@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import lightning_act.nn as act_nn
 from lightning_act.nn import Residual, RowCentric, RowPlan
+from lightning_act.profiling import measure_step_memory
 
 # fp32, row-block arithmetic reorders sums in the backward: relative to each tensor's max.
 RTOL = 1e-5
@@ -231,14 +231,7 @@ def test_residual_branches_with_different_heights() -> None:
 
 def peak_bytes(step) -> int:
     """Peak of CPU bytes allocated during ``step()`` above the level at its start (profiler events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
+    return measure_step_memory(step).peak_bytes
 
 
 @pytest.mark.parametrize("mode", ["overlap", "share"])
