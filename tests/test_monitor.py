@@ -61,10 +61,29 @@ def test_logged_scalars_equal_the_compressor_statistics_once_per_step():
                         **{**TRAINER_ARGS, "logger": logger, "accumulate_grad_batches": 2})
     trainer.fit(model, random_loader())
     logged = {step: m for step, m in logger.metrics if "act/compression_ratio" in m}
-    assert sorted(logged) == [0, 1, 2]  # 4 batches, 2 optimizer steps, one log per global step
+    # 4 batches, 2 optimizer steps: one log per step, of the micro-batch that completed it (none at step 0, whose
+    # first micro-batch only accumulated)
+    assert sorted(logged) == [1, 2]
     for step, metrics in logged.items():
         assert metrics == step_metrics(model.stats_by_step[step])
         assert metrics["act/compression_ratio"] > 3 and metrics["act/codec/quantize/ratio"] > 3
+    # the last step's scalars, where ModelCheckpoint and EarlyStopping look
+    callback_metrics = {name: value.item() for name, value in trainer.callback_metrics.items()
+                        if name.startswith("act/")}
+    assert callback_metrics == logged[2]
+
+
+def test_a_checkpoint_can_monitor_the_compression_ratio(tmp_path):
+    """``ModelCheckpoint(monitor="act/compression_ratio")`` finds the monitor's scalar and keeps the best step."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="act/compression_ratio", mode="max", every_n_train_steps=1)
+    trainer = L.Trainer(strategy="act", callbacks=[act.callbacks.CompressionMonitor(log_every_n_steps=1), checkpoint],
+                        **{**TRAINER_ARGS, "enable_checkpointing": True})
+    trainer.fit(TinyCNN(), random_loader())
+    assert checkpoint.best_model_score is not None and checkpoint.best_model_score.item() > 3
+    assert trainer.callback_metrics["act/compression_ratio"].item() == pytest.approx(
+        trainer.strategy.compressor.stats().ratio)
 
 
 def test_tensorboard_gets_scalars_and_histograms(tmp_path):

@@ -31,7 +31,9 @@ class CompressionMonitor(Callback):
     Trainer's) through the Trainer's loggers: the :func:`step_metrics` scalars to every logger, and the
     :func:`tensor_histograms` to TensorBoard loggers. Needs an ``ACTStrategy``/``ACTDDPStrategy``.
 
-    With gradient accumulation the statistics are those of the step's last micro-batch, logged once per step.
+    The scalars also go to ``trainer.callback_metrics``, where ``ModelCheckpoint(monitor=...)``,
+    ``EarlyStopping`` and the progress bar's callbacks read them. With gradient accumulation the statistics are
+    those of the micro-batch that completed the optimizer step, logged once per step.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, histograms: bool = True):
@@ -39,22 +41,28 @@ class CompressionMonitor(Callback):
             raise ValueError(f"log_every_n_steps must be a positive int or None; got {log_every_n_steps!r}")
         self.log_every_n_steps = log_every_n_steps
         self.histograms = histograms
-        self._last_logged_step: int | None = None
+        self._step_seen = 0
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not hasattr(trainer.strategy, "compressor"):
             raise ValueError(
                 f"CompressionMonitor needs an activation-compressing strategy; got {type(trainer.strategy).__name__}"
                 " (use Trainer(strategy='act') or strategy=lightning_act.ACTStrategy(...))")
-        self._last_logged_step = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._step_seen = trainer.global_step  # after a checkpoint's restore: a resumed run goes on from there
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        every = self.log_every_n_steps or max(trainer.log_every_n_steps, 1)
         step = trainer.global_step
-        if step % every or step == self._last_logged_step:
+        if step == self._step_seen:  # no optimizer step ended with this batch (gradients accumulating)
             return
-        self._last_logged_step = step
+        self._step_seen = step
+        if step % (self.log_every_n_steps or max(trainer.log_every_n_steps, 1)):
+            return
         stats = trainer.strategy.compressor.stats()
         metrics = step_metrics(stats)
         histograms = tensor_histograms(stats) if self.histograms else {}
         log_to_loggers(trainer.loggers, metrics, histograms, step)
+        # float64: byte counts stay exact
+        trainer.callback_metrics.update({name: torch.tensor(value, dtype=torch.float64)
+                                         for name, value in metrics.items()})
