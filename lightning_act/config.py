@@ -72,9 +72,9 @@ class ACTConfig:
         min_numel: tensors with fewer elements are kept as they are (compressing them costs more than it saves).
         compress_masks: store what a backward reads only as a pattern losslessly: boolean saved tensors (dropout
             and attention masks) and ReLU outputs at 1 bit, max-pool indices in the fewest bits of the window.
-            These choices come from the op rules (:mod:`lightning_act.codecs.op_rules`), which need the op
-            tracker; ``False`` turns the tracker off, so its other rules go too: log-softmax and cross-entropy
-            outputs (whose backward exponentiates them) then take the configured bits instead of 8 or more.
+            These choices come from the op rules (:mod:`lightning_act.codecs.op_rules`); ``False`` turns these
+            off and tracks only the functions of the rules that keep gradients right (values a backward compares
+            or divides by kept exact, log-probabilities at 8 bits or more), which apply either way.
         blpa_bits: ``4`` or ``8`` replaces each BatchNorm -> ReLU -> Conv/Linear run of ``nn.Sequential``
             children by BLPA's block (exact forward, ``blpa_bits`` sign-preserving codes for backward) when the
             compressor is built; ``None`` (default) leaves the model as it is.

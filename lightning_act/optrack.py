@@ -58,9 +58,10 @@ def _wrapper(func: Callable) -> Callable:
 
 
 def patch_sites(func: Callable) -> list[tuple[object, str]]:
-    """Where code looks ``func`` up: ``(owner, name)`` in ``torch.nn.functional``, ``torch``, ``torch.Tensor`` and
-    the function's own module whose attribute is ``func`` (aliases included: ``F.conv2d`` is ``torch.conv2d``)."""
-    owners = [F, torch]
+    """Where code looks ``func`` up: ``(owner, name)`` in ``torch.nn.functional``, ``torch``, ``torch.linalg``,
+    ``torch.Tensor`` and the function's own module whose attribute is ``func`` (aliases included: ``F.conv2d`` is
+    ``torch.conv2d``)."""
+    owners = [F, torch, torch.linalg]
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     if module is not None and module not in owners:
         owners.append(module)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Union
 
+import math
+
 import torch
 
 from ..optrack import FunctionCall, original, patch_sites
 from .base import Codec
+from .passthrough import PassthroughCodec
 
 
 class MinimumBits(NamedTuple):
@@ -28,19 +31,28 @@ class MinimumBits(NamedTuple):
 
 OpRule = Callable[[torch.Tensor, FunctionCall], Optional[Union[Codec, MinimumBits]]]
 OP_RULES: dict[Callable, OpRule] = {}
+# The functions of rules that keep a gradient right (not only smaller): tracked even with compress_masks=False
+GRADIENT_RULE_FUNCTIONS: set[Callable] = set()
+# What a rule answers for a tensor that must come back exactly: stored as it is
+KEPT_EXACT = PassthroughCodec()
 
 
-def register_op_rule(functions: tuple[Callable, ...], rule: OpRule) -> None:
+def register_op_rule(functions: tuple[Callable, ...], rule: OpRule, *, gradient: bool = False) -> None:
     """Let ``rule`` choose the codec of every tensor saved while one of ``functions`` runs. Each must be an attribute
-    of ``torch``, ``torch.nn.functional``, ``torch.Tensor`` or its own module: the tracker wraps it there."""
+    of ``torch``, ``torch.nn.functional``, ``torch.linalg``, ``torch.Tensor`` or its own module: the tracker wraps it
+    there.
+    ``gradient``: the rule keeps the gradient right (a lossy value there gives NaN or a far-off gradient), so it
+    applies even where ``ACTConfig.compress_masks`` turns the rules that only save memory off."""
     functions = tuple(original(fn) for fn in functions)
     for fn in functions:
         if not patch_sites(fn):
             raise ValueError(f"register_op_rule: {fn!r} is not an attribute of torch, torch.nn.functional, "
-                             f"torch.Tensor or its module {getattr(fn, '__module__', None)!r}; expected a function "
-                             "that code looks up there")
+                             f"torch.linalg, torch.Tensor or its module {getattr(fn, '__module__', None)!r}; expected "
+                             "a function that code looks up there")
     for fn in functions:
         OP_RULES[fn] = rule
+        if gradient:
+            GRADIENT_RULE_FUNCTIONS.add(fn)
 
 
 # Functions whose weight (the argument at this position, or ``weight=``) autocast casts for the op: a frozen weight's
@@ -54,8 +66,11 @@ WEIGHT_ARGUMENT: dict[Callable, int] = {
 }
 
 
-def tracked_functions() -> set[Callable]:
-    """The functions a ``FunctionTracker`` records: those with a rule and those with a weight argument."""
+def tracked_functions(masks: bool = True) -> set[Callable]:
+    """The functions a ``FunctionTracker`` records: those with a rule and those with a weight argument; without
+    ``masks`` (``ACTConfig.compress_masks=False``), only those of the rules that keep gradients right."""
+    if not masks:
+        return set(GRADIENT_RULE_FUNCTIONS)
     return OP_RULES.keys() | WEIGHT_ARGUMENT.keys()
 
 
@@ -82,4 +97,81 @@ def _log_probabilities_rule(t: torch.Tensor, call: FunctionCall) -> MinimumBits 
 
 register_op_rule((torch.nn.functional.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
                   torch.nn.functional.cross_entropy, torch.logsumexp, torch.Tensor.logsumexp),
-                 _log_probabilities_rule)
+                 _log_probabilities_rule, gradient=True)
+
+
+# ---- exact values, where a backward compares or divides by them ------------------------------------------------
+def _argument(call: FunctionCall, position: int, name: str, default=None):
+    return call.args[position] if len(call.args) > position else call.kwargs.get(name, default)
+
+
+def _exact_rule(t: torch.Tensor, call: FunctionCall) -> Codec | None:
+    return KEPT_EXACT if t.is_floating_point() else None
+
+
+# Backwards that find a reduction's winners by comparing its saved input with its saved result: amax and amin, the
+# max, min and median of a whole tensor, scatter_reduce and index_reduce by amax or amin (a GNN's max or min
+# aggregation: torch_geometric's scatter), infinity norms. Rounded apart, no input equals the result any more: the
+# gradient is divided by a count of 0 (NaN) or lands nowhere. A product's backward divides the result by each factor
+# (scatter_reduce's and index_reduce's "prod" too), which no rounding of a factor near 0 survives.
+def _whole_tensor_rule(t: torch.Tensor, call: FunctionCall) -> Codec | None:
+    # max(x) and median(x) compare; max(x, dim) saves indices and max(x, y) compares its two inputs with each
+    # other (a rounding there moves a tie, it does not lose the gradient)
+    if _argument(call, 1, "dim") is None and _argument(call, 1, "other") is None:
+        return _exact_rule(t, call)
+    return None
+
+
+_COMPARING_REDUCTIONS = frozenset({"amax", "amin", "prod"})
+
+
+def _reduce_rule(t: torch.Tensor, call: FunctionCall) -> Codec | None:
+    # (self, dim, index, src, reduce): scatter_reduce and index_reduce alike
+    return _exact_rule(t, call) if _argument(call, 4, "reduce") in _COMPARING_REDUCTIONS else None
+
+
+def _infinite_order_rule(name: str) -> OpRule:
+    """The rule of a norm whose order is argument 1 or ``name``: exact for an infinity norm."""
+    def rule(t: torch.Tensor, call: FunctionCall) -> Codec | None:
+        order = _argument(call, 1, name)
+        return _exact_rule(t, call) if isinstance(order, (int, float)) and math.isinf(order) else None
+
+    return rule
+
+
+# Backwards that divide by a saved tensor: sqrt, rsqrt and reciprocal by their result, a division by its divisor. A
+# codec that does not keep a value's sign and range (division's residuals, lorenzo's zeros under its bound) turns a
+# small divisor into 0 or a negative: an infinite or wrong-signed gradient. What they divide by is mostly a
+# statistic (a norm, a standard deviation, a softmax's row sums), far smaller than the activations: kept exact. A
+# divisor as large as what it divides (a graph attention's per-edge softmax sums) goes at 8 bits or more, in a
+# format that keeps each value within its group's range (MinimumBits: quantize where the codec is division).
+DIVISOR_BITS = 8
+_LARGE_DIVISOR = MinimumBits(DIVISOR_BITS)
+
+
+def _divisor_rule(t: torch.Tensor, call: FunctionCall) -> Codec | MinimumBits | None:
+    divisor, dividend = _argument(call, 1, "other"), call.args[0] if call.args else None
+    if not (torch.is_tensor(divisor) and t.is_floating_point() and t.data_ptr() == divisor.data_ptr() and
+            t.shape == divisor.shape and t.stride() == divisor.stride()):
+        return None
+    if torch.is_tensor(dividend) and divisor.numel() >= dividend.numel() and 0 not in divisor.stride():
+        return _LARGE_DIVISOR  # (a statistic expanded to the dividend's shape holds only its own elements)
+    return KEPT_EXACT
+
+
+register_op_rule((torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.prod, torch.Tensor.prod,
+                  torch.cumprod, torch.Tensor.cumprod, torch.Tensor.cumprod_, torch.sqrt, torch.sqrt_, torch.Tensor.sqrt,
+                  torch.Tensor.sqrt_, torch.rsqrt, torch.rsqrt_, torch.Tensor.rsqrt, torch.Tensor.rsqrt_,
+                  torch.reciprocal, torch.reciprocal_, torch.Tensor.reciprocal, torch.Tensor.reciprocal_,
+                  torch.Tensor.__rtruediv__), _exact_rule, gradient=True)
+register_op_rule((torch.max, torch.Tensor.max, torch.min, torch.Tensor.min, torch.median, torch.Tensor.median,
+                  torch.nanmedian, torch.Tensor.nanmedian), _whole_tensor_rule, gradient=True)
+register_op_rule((torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.scatter_reduce_,
+                  torch.index_reduce, torch.Tensor.index_reduce, torch.Tensor.index_reduce_), _reduce_rule,
+                 gradient=True)
+register_op_rule((torch.norm, torch.Tensor.norm), _infinite_order_rule("p"), gradient=True)
+register_op_rule((torch.linalg.norm, torch.linalg.vector_norm, torch.linalg.matrix_norm), _infinite_order_rule("ord"),
+                 gradient=True)
+register_op_rule((torch.div, torch.Tensor.div, torch.Tensor.div_, torch.divide, torch.Tensor.divide,
+                  torch.true_divide, torch.Tensor.true_divide, torch.Tensor.__truediv__, torch.Tensor.__itruediv__),
+                 _divisor_rule, gradient=True)

@@ -1,0 +1,175 @@
+"""Op rules that keep a gradient right: saved values a backward compares (a reduction's winners) or divides by are
+stored exactly, whatever the codec; ``compress_masks=False`` keeps these rules (``op_rules.GRADIENT_RULE_FUNCTIONS``).
+
+Rounded apart, an amax's saved input no longer equals its saved result: its backward divides the gradient by a
+count of 0 (NaN everywhere) or gives it to no element. A torch_geometric max aggregation (``scatter_reduce_``
+with ``"amax"``) trained to NaN gradients this way."""
+import pytest
+import torch
+from torch import nn
+
+import lightning_act as act
+from lightning_act.codecs import op_rules
+from lightning_act.stats import COMPRESSED
+
+torch.manual_seed(0)
+_INDEX = torch.randint(0, 50, (512,))
+_COLUMNS = _INDEX[:, None].expand(-1, 32)
+
+# op name -> a loss of h (512 x 32, every value distinct) whose backward compares or divides by h or its result
+COMPARING = {
+    "torch.amax": lambda h: torch.amax(h, dim=1).sum(),
+    "Tensor.amin": lambda h: h.amin(dim=0).sum(),
+    "Tensor.max()": lambda h: h.max() * 2,
+    "torch.min()": lambda h: torch.min(h) * 2,
+    "torch.median()": lambda h: torch.median(h) * 2,
+    "scatter_reduce_ amax": lambda h: h.new_zeros(50, 32).scatter_reduce_(0, _COLUMNS, h, "amax",
+                                                                         include_self=False).sum(),
+    "torch.scatter_reduce amin": lambda h: torch.scatter_reduce(h.new_zeros(50, 32), 0, _COLUMNS, h, reduce="amin",
+                                                                include_self=False).sum(),
+    "scatter_reduce prod": lambda h: h.new_ones(50, 32).scatter_reduce(0, _COLUMNS, h, "prod").sum(),
+    "index_reduce_ amax": lambda h: h.new_zeros(50, 32).index_reduce_(0, _INDEX, h, "amax",
+                                                                      include_self=False).sum(),
+    "linalg.vector_norm inf": lambda h: torch.linalg.vector_norm(h, ord=float("inf"), dim=1).sum(),
+    "Tensor.norm(p=-inf)": lambda h: h.norm(p=-float("inf"), dim=0).sum(),
+    "linalg.matrix_norm inf": lambda h: torch.linalg.matrix_norm(h.view(16, 32, 32), ord=float("inf")).sum(),
+    "torch.prod": lambda h: torch.prod(h[:, :6], dim=1).sum(),
+    "Tensor.cumprod": lambda h: h[:, :6].cumprod(dim=1).sum(),
+    # (h + 10: positive, and an add saves nothing)
+    "torch.sqrt": lambda h: torch.sqrt(h + 10).sum(),
+    "Tensor.rsqrt": lambda h: (h + 10).rsqrt().sum(),
+    "1 / h": lambda h: (1 / (h + 10)).sum(),
+}
+CODECS = {"quantize 2-bit": dict(bits=2, adaptive=False), "division": dict(codec="division"),
+          "lorenzo": dict(codec="lorenzo", error_bound=1e-2)}
+
+
+def _gradient(loss_of, config: act.ACTConfig | None, x: torch.Tensor):
+    x = x.detach().requires_grad_()
+    compressor = None
+    if config is None:
+        loss = loss_of(x * 1)
+    else:
+        compressor = act.ActivationCompressor(None, config)
+        with compressor.compress():
+            loss = loss_of(x * 1)  # x * 1: an op output (x itself is a leaf, kept as a parameter would be)
+    loss.backward()
+    return x.grad, compressor
+
+
+def _input() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(512, 32) + torch.arange(512 * 32).view(512, 32) * 1e-6  # no ties
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce")  # "in beta"
+@pytest.mark.parametrize("masks", [True, False], ids=["masks", "no masks"])
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("op", list(COMPARING))
+def test_what_a_backward_compares_or_divides_by_is_kept_exact(op, codec, masks):
+    x = _input()
+    expected, _ = _gradient(COMPARING[op], None, x)
+    got, compressor = _gradient(COMPARING[op], act.ACTConfig(min_numel=0, compress_masks=masks, **CODECS[codec]), x)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    floats = [r for r in compressor.stats().records if r.dtype.is_floating_point]
+    assert floats and all(r.codec == "none" for r in floats), [(r.codec, r.reason) for r in floats]
+
+
+def _large_divisor_loss(h):
+    return (h.detach() / (h.square() + 1e-3)).sum()
+
+
+@pytest.mark.parametrize("rule_of, loss_of, codec", [
+    (torch.amax, COMPARING["torch.amax"], dict(bits=2, adaptive=False)),
+    (torch.Tensor.__truediv__, _large_divisor_loss, dict(codec="division")),
+], ids=["amax", "division by a small divisor"])
+def test_without_the_rule_the_gradient_is_lost(rule_of, loss_of, codec):
+    """What the rules prevent: the same ops with the rule taken out give NaN or infinite gradients."""
+    rule = op_rules.OP_RULES[rule_of]
+    functions = [fn for fn, r in op_rules.OP_RULES.items() if r is rule]
+    for fn in functions:
+        del op_rules.OP_RULES[fn]
+    try:
+        got, _ = _gradient(loss_of, act.ACTConfig(min_numel=0, **codec), _input())
+    finally:
+        op_rules.OP_RULES.update(dict.fromkeys(functions, rule))
+    assert not got.isfinite().all()
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("expand", [False, True], ids=["row sums", "expanded row sums"])
+def test_a_statistic_divided_by_is_kept_exact(codec, expand):
+    """``x / x.sum(1, keepdim=True)`` (expanded or broadcast): the sums are kept, what they divide takes the codec."""
+    def loss_of(h):
+        sums = (h + 10).sum(1, keepdim=True)
+        return (h.square() / (sums.expand(-1, 32) if expand else sums)).sum()
+
+    got, compressor = _gradient(loss_of, act.ACTConfig(min_numel=0, **CODECS[codec]), _input())
+    assert got.isfinite().all()
+    codecs = sorted((r.codec, tuple(r.shape)) for r in compressor.stats().records if r.dtype.is_floating_point)
+    configured = CODECS[codec].get("codec", "quantize")
+    assert ("none", (512, 1) if not expand else (512, 32)) in codecs
+    assert all(name in ("none", configured) for name, _ in codecs) and (configured, (512, 32)) in codecs
+
+
+# calls of the same functions whose backward needs no exact value: their float tensors take the configured codec
+NOT_COMPARING = {
+    "max(x, dim)": lambda h: torch.max(h.square(), 1).values.sum(),  # saves indices; square saves h
+    "max(x, y)": lambda h: torch.max(h, h.flip(0)).sum(),  # a tie moves, no gradient is lost
+    "scatter_reduce sum": lambda h: h.new_zeros(50, 32).scatter_reduce(0, _COLUMNS, h.square(), "sum").sum(),
+    "norm p=2": lambda h: h.norm(p=2, dim=1).sum(),
+    "h / 3": lambda h: (h.square() / 3).sum(),
+}
+
+
+@pytest.mark.parametrize("op", list(NOT_COMPARING))
+def test_other_calls_of_those_functions_are_compressed(op):
+    _, compressor = _gradient(NOT_COMPARING[op], act.ACTConfig(min_numel=0, bits=4, adaptive=False), _input())
+    floats = [r for r in compressor.stats().records if r.dtype.is_floating_point]
+    assert floats and all(r.kind == COMPRESSED and r.codec == "quantize" for r in floats), \
+        [(r.codec, r.reason) for r in floats]
+
+
+@pytest.mark.parametrize("codec", ["division", "quantize 2-bit"])
+def test_a_divisor_as_large_as_its_dividend_goes_at_8_bits_in_range(codec):
+    """An elementwise divisor (a graph attention's per-edge softmax sums) is not kept whole: 8 bits of quantize
+    (division gives way to it: its residuals turned small positive divisors into 0 or negatives)."""
+    got, compressor = _gradient(_large_divisor_loss, act.ACTConfig(min_numel=0, **CODECS[codec]), _input())
+    assert got.isfinite().all()
+    divisors = [r for r in compressor.stats().records if r.bits == op_rules.DIVISOR_BITS]
+    assert len(divisors) == 1 and divisors[0].codec == "quantize" and divisors[0].kind == COMPRESSED
+
+
+def test_the_gradient_rules_are_tracked_without_masks():
+    without = op_rules.tracked_functions(masks=False)
+    assert torch.amax in without and torch.Tensor.scatter_reduce_ in without and torch.nn.functional.cross_entropy \
+        in without
+    assert torch.nn.functional.relu not in without and torch.nn.functional.linear not in without
+    assert without < op_rules.tracked_functions()
+
+
+def test_a_max_aggregating_gnn_trains_with_finite_gradients():
+    """torch_geometric's SAGEConv with max aggregation (``scatter_reduce_(..., "amax")``) at the default level:
+    the gradient of the compressed step stays close to the exact one (it was NaN)."""
+    pyg_nn = pytest.importorskip("torch_geometric.nn")
+    torch.manual_seed(0)
+    edges = torch.randint(0, 500, (2, 4000))
+    x, y = torch.randn(500, 16), torch.randint(0, 3, (500,))
+    conv, head = pyg_nn.SAGEConv(16, 32, aggr="max"), nn.Linear(32, 3)
+    model = nn.ModuleList([conv, head])
+
+    def step(compressor=None):
+        model.zero_grad()
+        if compressor is None:
+            loss = nn.functional.cross_entropy(head(conv(x, edges).relu()), y)
+        else:
+            with compressor.compress():
+                loss = nn.functional.cross_entropy(head(conv(x, edges).relu()), y)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    expected = step()
+    got = step(act.ActivationCompressor(model, act.ACTConfig()))
+    assert got.isfinite().all()
+    assert nn.functional.cosine_similarity(got, expected, dim=0) > 0.99
