@@ -165,6 +165,24 @@ def test_bench_gnn_sparse_quick_measures_every_configuration(tmp_path):
     assert "| sparse | 4-bit |" in out.read_text() and "| sparse, fused | 4-bit |" in out.read_text()
 
 
+def test_bench_gnn_layers_quick_shows_what_the_gradient_rules_prevent():
+    """bench_gnn_layers.py --quick in-process: with the exact-value rules every gradient is finite and close; a
+    max aggregation without them trains on NaN; the registry is whole again afterwards."""
+    pytest.importorskip("torch_geometric")
+    import bench_gnn_layers
+
+    from lightning_act.codecs import op_rules
+
+    rules = dict(op_rules.OP_RULES)
+    rows = bench_gnn_layers.main(["--quick"])
+    by = {(r["layer"], r["config"], r["rules"]): r for r in rows}
+    assert len(by) == 8 and all(r["finite"] and r["cosine"] > 0.95 for r in rows if r["rules"] == "with")
+    assert not by[("SAGEConv max", "L1", "without")]["finite"]
+    assert by[("SAGEConv max", "L1", "with")]["cosine"] > 0.99 and by[("SAGEConv max", "L1", "with")]["ratio"] > 1
+    assert op_rules.OP_RULES == rules and torch.amax in op_rules.GRADIENT_RULE_FUNCTIONS
+    assert "| SAGEConv max | L1 | without | **no** | nan |" in bench_gnn_layers.table(rows, "x")
+
+
 def test_host_overhead_quick_mode_measures_the_cuda_path_with_no_op_kernels():
     """bench_host_overhead.py --quick in-process: the figures exist and the CUDA path ran (kernel launches); no
     speed is asserted here (the targets live in the benchmark and its results file)."""
