@@ -1,12 +1,13 @@
 """Gradient fidelity and compression ratio of torch_geometric layers whose backward compares or divides by saved
 values (max aggregations, PNA's max and standard deviation, graph attention's softmax), with and without the op
-rules that keep those values exact (``lightning_act.codecs.op_rules``, ``gradient=True``).
+rules that keep those values exact (``lightning_act.codecs.op_rules``, ``gradient=True``) and the scatter max/min
+that saves winner masks instead (``lightning_act.codecs.winner_masks``).
 
 Per layer: two of them (in -> 64 -> 64, GraphNorm and ReLU between) and a linear head on a random graph
 (``--nodes``, 10 edges per node, seeded), one full-batch cross-entropy step. Per configuration: the gradient's
 cosine to the uncompressed step's (all parameters; nan: the gradient holds NaN or infinities), whether it is
-finite, and ``stats().ratio``. "without" rows run with every gradient rule taken out of the registry (the
-log-probabilities' 8-bit floor too): what the engine did before the exact-value rules, but for that floor.
+finite, and ``stats().ratio``. "without" rows run with every gradient rule and op replacement taken out of the
+registry (the log-probabilities' 8-bit floor too): what the engine did before them, but for that floor.
 
     python benchmarks/bench_gnn_layers.py [--nodes 2000] [--out benchmarks/results/gnn_layers.md]
     python benchmarks/bench_gnn_layers.py --quick     # 300 nodes, two layers and two configs (the test's run)
@@ -57,15 +58,18 @@ class Net(nn.Module):
 
 @contextlib.contextmanager
 def without_gradient_rules():
-    """The gradient rules out of the registry while the block runs (what the engine did before them)."""
+    """The gradient rules and the op replacements out of the registry while the block runs (what the engine did
+    before them)."""
     removed = {fn: op_rules.OP_RULES.pop(fn) for fn in op_rules.GRADIENT_RULE_FUNCTIONS if fn in op_rules.OP_RULES}
-    tracked = set(op_rules.GRADIENT_RULE_FUNCTIONS)
+    tracked, replacements = set(op_rules.GRADIENT_RULE_FUNCTIONS), dict(op_rules.OP_REPLACEMENTS)
     op_rules.GRADIENT_RULE_FUNCTIONS.clear()
+    op_rules.OP_REPLACEMENTS.clear()
     try:
         yield
     finally:
         op_rules.OP_RULES.update(removed)
         op_rules.GRADIENT_RULE_FUNCTIONS.update(tracked)
+        op_rules.OP_REPLACEMENTS.update(replacements)
 
 
 def gradient(model, x, edges, y, config: act.ACTConfig | None):

@@ -497,7 +497,8 @@ class ActivationCompressor:
         self._thread.step = step
         # (not around compiled parts: dynamo would compile the tracker's own frames, op by op)
         if self.config.enabled and op_rules.OP_RULES and self.graph_hooks is None:
-            step.tracker = FunctionTracker(op_rules.tracked_functions(self.config.compress_masks))
+            step.tracker = FunctionTracker(op_rules.tracked_functions(self.config.compress_masks),
+                                           op_rules.OP_REPLACEMENTS)
         try:
             with contextlib.ExitStack() as stack:
                 if step.tracker is not None:

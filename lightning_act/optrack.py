@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,11 @@ def _wrapper(func: Callable) -> Callable:
             return func(*args, **kwargs)  # another thread's call, one inside a tracked call, or not this tracker's
         tracker.current = FunctionCall(func, args, kwargs)
         try:
+            replacement = tracker.replacements.get(func)
+            if replacement is not None:
+                out = replacement(func, args, kwargs)
+                if out is not NotImplemented:
+                    return out
             return func(*args, **kwargs)
         finally:
             tracker.current = None
@@ -126,10 +131,16 @@ _WRAPPERS = _Wrappers()
 
 class FunctionTracker:
     """``current`` is the running call of one of ``functions`` in the thread that entered the tracker (``None``
-    between such calls). A context manager, entered once at a time per thread (nested: the inner one tracks)."""
+    between such calls). A context manager, entered once at a time per thread (nested: the inner one tracks).
 
-    def __init__(self, functions: Iterable[Callable]) -> None:
+    ``replacements``: for some of ``functions``, ``replacement(func, args, kwargs)``, run in the call's place (while
+    it is ``current``); its result stands for the call's, unless it returns ``NotImplemented``, and the function
+    runs as it is."""
+
+    def __init__(self, functions: Iterable[Callable],
+                 replacements: Mapping[Callable, Callable[[Callable, tuple, dict], Any]] | None = None) -> None:
         self.functions = frozenset(functions)
+        self.replacements = replacements or {}
         self.current: FunctionCall | None = None
         self._outer: FunctionTracker | None = None
 

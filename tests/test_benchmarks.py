@@ -173,13 +173,14 @@ def test_bench_gnn_layers_quick_shows_what_the_gradient_rules_prevent():
 
     from lightning_act.codecs import op_rules
 
-    rules = dict(op_rules.OP_RULES)
+    rules, replacements = dict(op_rules.OP_RULES), dict(op_rules.OP_REPLACEMENTS)
     rows = bench_gnn_layers.main(["--quick"])
     by = {(r["layer"], r["config"], r["rules"]): r for r in rows}
     assert len(by) == 8 and all(r["finite"] and r["cosine"] > 0.95 for r in rows if r["rules"] == "with")
     assert not by[("SAGEConv max", "L1", "without")]["finite"]
     assert by[("SAGEConv max", "L1", "with")]["cosine"] > 0.99 and by[("SAGEConv max", "L1", "with")]["ratio"] > 1
-    assert op_rules.OP_RULES == rules and torch.amax in op_rules.GRADIENT_RULE_FUNCTIONS
+    assert op_rules.OP_RULES == rules and op_rules.OP_REPLACEMENTS == replacements
+    assert torch.amax in op_rules.GRADIENT_RULE_FUNCTIONS
     assert "| SAGEConv max | L1 | without | **no** | nan |" in bench_gnn_layers.table(rows, "x")
 
 

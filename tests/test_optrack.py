@@ -119,3 +119,19 @@ def test_a_rule_for_a_function_nobody_looks_up_is_refused():
     with pytest.raises(ValueError, match="is not an attribute of torch, torch.nn.functional, torch.linalg, "
                                          "torch.Tensor or its module 'tests.test_optrack'"):
         op_rules.register_op_rule((lambda t: t,), lambda t, call: None)
+
+
+def test_a_replacement_runs_in_the_calls_place_unless_it_declines():
+    """``replacements``: run while the call is current; its result stands, ``NotImplemented`` runs the function."""
+    seen = []
+
+    def replacement(func, args, kwargs):
+        seen.append((func, tracker.current.func))
+        return NotImplemented if args[0].sum() < 0 else "replaced"
+
+    tracker = FunctionTracker({RELU}, {RELU: replacement})
+    with tracker:
+        replaced = torch.relu(torch.ones(2))
+        declined = torch.relu(-torch.ones(2))
+    assert replaced == "replaced" and torch.equal(declined, torch.zeros(2))
+    assert seen == [(RELU, RELU)] * 2 and tracker.current is None

@@ -54,7 +54,7 @@ def get(name: str, **options) -> Codec:
 
 
 # Registration happens at import of each codec module.
-from . import bitmask, division, lorenzo, masks, passthrough, quantize  # noqa: E402,F401
+from . import bitmask, division, lorenzo, masks, passthrough, quantize, winner_masks  # noqa: E402,F401
 
 __all__ = ["Codec", "Packed", "available", "codec_class", "dtype_codec", "general", "get", "register",
            "register_dtype_codec"]

@@ -66,12 +66,29 @@ WEIGHT_ARGUMENT: dict[Callable, int] = {
 }
 
 
+# Calls run differently while the compressor tracks them: ``replacement(func, args, kwargs)`` computes the call's
+# result with a backward that saves less, or returns NotImplemented (the call runs as it is, under its rule)
+OpReplacement = Callable[[Callable, tuple, dict], object]
+OP_REPLACEMENTS: dict[Callable, OpReplacement] = {}
+
+
+def register_op_replacement(functions: tuple[Callable, ...], replacement: OpReplacement) -> None:
+    """Run ``replacement`` in place of each of ``functions`` while a compressor tracks them (always: a replacement
+    computes the same result and gradient as the function, with less saved for its backward)."""
+    for fn in functions:
+        if not patch_sites(original(fn)):
+            raise ValueError(f"register_op_replacement: {fn!r} is not an attribute of torch, torch.nn.functional, "
+                             f"torch.linalg, torch.Tensor or its module; expected a function that code looks up there")
+    OP_REPLACEMENTS.update(dict.fromkeys(map(original, functions), replacement))
+
+
 def tracked_functions(masks: bool = True) -> set[Callable]:
-    """The functions a ``FunctionTracker`` records: those with a rule and those with a weight argument; without
-    ``masks`` (``ACTConfig.compress_masks=False``), only those of the rules that keep gradients right."""
+    """The functions a ``FunctionTracker`` records: those with a rule or a replacement and those with a weight
+    argument; without ``masks`` (``ACTConfig.compress_masks=False``), only those of the rules that keep gradients
+    right and of the replacements."""
     if not masks:
-        return set(GRADIENT_RULE_FUNCTIONS)
-    return OP_RULES.keys() | WEIGHT_ARGUMENT.keys()
+        return GRADIENT_RULE_FUNCTIONS | OP_REPLACEMENTS.keys()
+    return OP_RULES.keys() | WEIGHT_ARGUMENT.keys() | OP_REPLACEMENTS.keys()
 
 
 def codec_for_call(call: FunctionCall | None, t: torch.Tensor) -> Codec | MinimumBits | None:
