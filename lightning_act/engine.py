@@ -324,6 +324,7 @@ class _Step:
         self.phase = phase
         self.tracker: FunctionTracker | None = None
         self.minimum_bits: dict[int, int] = {}  # saved-tensor index -> the least bits an op rule asked for it
+        self.in_range: set[int] = set()  # saved-tensor indices whose rule asked for a codec that keeps ranges
         # (storage ptr, dtype, version, memory range or view geometry) -> [weak reference to the storage, or None
         # where a kept tensor holds it alive; {codec name (None: kept): _Saved of its first save}]: what is stored of
         # each range, once per codec, and counted once in the step's original bytes (a ReLU output stored as its
@@ -595,11 +596,12 @@ class ActivationCompressor:
         return {t.untyped_storage().data_ptr() for t in map(_local_tensor, tensors)
                 if t.layout == torch.strided and torch._C._has_storage(t)}
 
-    def codec_for(self, index: int, t: torch.Tensor, minimum_bits: int | None = None) -> Codec:
+    def codec_for(self, index: int, t: torch.Tensor, minimum_bits: int | None = None, in_range: bool = False
+                  ) -> Codec:
         """The codec for float or bool saved tensor number ``index`` of the step: the lossless codec registered
         for its dtype (1 bit for bool tensors), else the ``codec_policy``'s, else the configured codec at the bits
-        the ``bits_policy`` assigns; raised to ``minimum_bits`` where an op rule asks for it
-        (:class:`~lightning_act.codecs.op_rules.MinimumBits`)."""
+        the ``bits_policy`` assigns; raised to ``minimum_bits`` where an op rule asks for it, in a codec that keeps
+        values within their group's range with ``in_range`` (:class:`~lightning_act.codecs.op_rules.MinimumBits`)."""
         dtype_codec = codecs.dtype_codec(t.dtype)
         if dtype_codec is not None:
             return self.codec(dtype_codec)
@@ -608,7 +610,7 @@ class ActivationCompressor:
         if codec is None:
             bits = policies["bits"](index, t) if policies["bits"] is not None else None
             codec = self.codec(self.config.codec, bits)
-        if minimum_bits is not None and not _holds_bits(codec, minimum_bits):
+        if minimum_bits is not None and not _holds_bits(codec, minimum_bits, in_range):
             return self.codec(codec.name if "bits" in codec.config_fields else "quantize", minimum_bits)
         return codec
 
@@ -723,11 +725,18 @@ class ActivationCompressor:
             owner = source.untyped_storage()
             key = ("cast", owner.data_ptr(), source._version, source.storage_offset(), source.shape, source.stride(),
                    dtype, t.storage_offset(), shape, t.stride())
-        name = codec.name if codec is not None else None  # a mask and the values of one storage differ
+        name = slot = codec.name if codec is not None else None  # a mask and the values of one storage differ
         stored = step.stored
         entry = stored.get(key)
         if entry is not None and (entry[0] is None or not entry[0].expired()):
             first = entry[1].get(name)
+            if first is not None and index in step.in_range and first.codec is not None and \
+                    not (first.codec.lossless or first.codec.keeps_range):
+                # a rule asked for a codec that keeps ranges (op_rules.MinimumBits(in_range=True)) and an earlier
+                # save took one that does not (a softmax's output under lorenzo, which a log then saves): stored
+                # apart. (One that does serves: a log and a softmax reading the same rounding cancel it out.)
+                slot = codec
+                first = entry[1].get(slot)
             if first is not None:
                 # an autocast copy is a storage of its own without compression: counted as original bytes
                 copied = numel * t.element_size() if owner is not storage else 0
@@ -769,9 +778,9 @@ class ActivationCompressor:
             saved = _new_saved((_version_alias(t), version, shape, None, packed, swapped, codec, geometry, side,
                                 ticket, None if owner is storage else [1, None]))
         if entry is None:  # a kept tensor holds its storage alive; else a weak reference tells a freed one
-            stored[key] = [None if saved.tensor is not None else _StorageRef(owner), {name: saved}]
+            stored[key] = [None if saved.tensor is not None else _StorageRef(owner), {slot: saved}]
         else:
-            entry[1][name] = saved
+            entry[1][slot] = saved
         return saved
 
     def _pack_sparse(self, step: "_Step", index: int, t: torch.Tensor) -> _Saved:
@@ -796,6 +805,7 @@ class ActivationCompressor:
                 return self.codec("none"), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
         codec = minimum_bits = None
+        in_range = False
         tracker = step.tracker
         if tracker is not None and numel >= config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly, or ask for precision
@@ -804,8 +814,10 @@ class ActivationCompressor:
             if rule is not None:
                 codec = rule(t, call)
                 if type(codec) is op_rules.MinimumBits:
-                    codec, minimum_bits = None, codec.bits
+                    codec, minimum_bits, in_range = None, codec.bits, codec.in_range
                     step.minimum_bits[index] = minimum_bits
+                    if in_range:
+                        step.in_range.add(index)
                 elif codec is not None and codec.backend != config.backend:
                     codec = self._on_config_backend(codec)
         dtype = t.dtype
@@ -817,7 +829,7 @@ class ActivationCompressor:
                 return None, f"{dtype} values"
             if numel < max(config.min_numel, 1):
                 return None, f"fewer than min_numel={config.min_numel} elements"
-            codec = self.codec_for(index, t, minimum_bits)
+            codec = self.codec_for(index, t, minimum_bits, in_range)
         if codec.dtypes is not None and dtype not in codec.dtypes:
             # a dtype the codec cannot take is kept exactly, never an error inside autograd's hook
             return None, f"{dtype} not taken by codec {codec.name!r}"
@@ -849,10 +861,15 @@ class ActivationCompressor:
         return out if out.shape == saved.shape else out.view(saved.shape)
 
 
-def _holds_bits(codec: Codec, bits: int) -> bool:
+def _holds_bits(codec: Codec, bits: int, in_range: bool = False) -> bool:
     """Whether ``codec`` keeps at least ``bits`` per element of precision: lossless and error-bounded codecs do
-    (their bound is the user's choice), a quantizing one at ``bits`` or more, no other lossy one."""
-    if codec.lossless or codec.error_bound is not None:
+    (their bound is the user's choice), a quantizing one at ``bits`` or more, no other lossy one. ``in_range``:
+    and each value within its group's range (``Codec.keeps_range``)."""
+    if codec.lossless:
+        return True
+    if in_range and not codec.keeps_range:
+        return False
+    if codec.error_bound is not None:
         return True
     own = getattr(codec, "bits", None)
     return own is not None and own >= bits

@@ -82,10 +82,15 @@ def _large_divisor_loss(h):
     return (h.detach() / (h.square() + 1e-3)).sum()
 
 
+def _log_probabilities_loss(h):
+    return torch.log(torch.softmax(h * 4, dim=1))[:, 0].sum()  # log of a softmax: many tiny probabilities
+
+
 @pytest.mark.parametrize("rule_of, loss_of, codec", [
     (torch.amax, COMPARING["torch.amax"], dict(bits=2, adaptive=False)),
     (torch.Tensor.__truediv__, _large_divisor_loss, dict(codec="division")),
-], ids=["amax", "division by a small divisor"])
+    (torch.log, _log_probabilities_loss, dict(codec="lorenzo", error_bound=1e-2)),
+], ids=["amax", "division by a small divisor", "log of probabilities under lorenzo"])
 def test_without_the_rule_the_gradient_is_lost(rule_of, loss_of, codec):
     """What the rules prevent: the same ops with the rule taken out give NaN or infinite gradients."""
     rule = op_rules.OP_RULES[rule_of]
@@ -133,14 +138,20 @@ def test_other_calls_of_those_functions_are_compressed(op):
         [(r.codec, r.reason) for r in floats]
 
 
-@pytest.mark.parametrize("codec", ["division", "quantize 2-bit"])
-def test_a_divisor_as_large_as_its_dividend_goes_at_8_bits_in_range(codec):
-    """An elementwise divisor (a graph attention's per-edge softmax sums) is not kept whole: 8 bits of quantize
-    (division gives way to it: its residuals turned small positive divisors into 0 or negatives)."""
-    got, compressor = _gradient(_large_divisor_loss, act.ACTConfig(min_numel=0, **CODECS[codec]), _input())
-    assert got.isfinite().all()
-    divisors = [r for r in compressor.stats().records if r.bits == op_rules.DIVISOR_BITS]
-    assert len(divisors) == 1 and divisors[0].codec == "quantize" and divisors[0].kind == COMPRESSED
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("loss_of, op", [
+    (_large_divisor_loss, "a divisor as large as its dividend"),
+    (lambda h: torch.log(h + 10).sum(), "log's input"),
+    (lambda h: ((h + 10) ** -0.5).sum(), "a power under 1's input"),
+], ids=["divisor", "log", "power"])
+def test_what_a_backward_divides_by_goes_at_8_bits_in_range(loss_of, op, codec):
+    """An elementwise divisor (a graph attention's per-edge softmax sums), a logarithm's or a root's input are not
+    kept whole: 8 bits of quantize, whose grid stays within each group's range (division and lorenzo give way to
+    it: their residuals, and lorenzo's zeros under its bound, turned small positive values into 0 or negatives)."""
+    got, compressor = _gradient(loss_of, act.ACTConfig(min_numel=0, **CODECS[codec]), _input())
+    assert got.isfinite().all(), op
+    in_range = [r for r in compressor.stats().records if r.bits == op_rules.IN_RANGE_BITS]
+    assert len(in_range) == 1 and in_range[0].codec == "quantize" and in_range[0].kind == COMPRESSED
 
 
 def test_the_gradient_rules_are_tracked_without_masks():
@@ -175,3 +186,20 @@ def test_a_max_aggregating_gnn_trains_with_finite_gradients():
     got = step(act.ActivationCompressor(model, act.ACTConfig()))
     assert got.isfinite().all()
     assert nn.functional.cosine_similarity(got, expected, dim=0) > 0.99
+
+
+@pytest.mark.parametrize("codec, stored", [
+    ("quantize 2-bit", [("quantize", 2.0), ("quantize", 0.0)]),
+    ("lorenzo", [("lorenzo", None), ("quantize", 8.0)]),
+    ("division", [("division", None), ("quantize", 8.0)]),
+])
+def test_a_storage_saved_again_by_a_log_is_stored_apart_only_out_of_range(codec, stored):
+    """``log(exp(h))``: exp saves its result in the configured codec, then log saves the same storage under its
+    in-range floor. A quantized form serves it (a duplicate: both backwards read one rounding), a lorenzo or
+    division form does not (stored again, at 8 bits of quantize)."""
+    got, compressor = _gradient(lambda h: torch.log(h.exp()).sum(), act.ACTConfig(min_numel=0, **CODECS[codec]),
+                                _input())
+    assert got.isfinite().all()
+    records = compressor.stats().records
+    assert [(r.codec, r.bits if expected is not None else None) for r, (_, expected) in zip(records, stored)] == \
+        stored

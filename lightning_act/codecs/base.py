@@ -74,6 +74,11 @@ class Codec(ABC):
     # Whether a form's ``nbytes`` may fall after ``encode`` returns (lorenzo's lazy trim on CUDA): the codec then
     # calls the form's ``on_resize`` with its new size.
     shrinks_later: ClassVar[bool] = False
+    # Whether every decoded value lies between the least and the greatest input value of its group, so positive
+    # values stay positive: what a backward divides by or takes a logarithm's derivative of needs it
+    # (``op_rules.MinimumBits(in_range=True)``). Quantize's grid does; division's residuals and lorenzo's zeros
+    # under its bound do not.
+    keeps_range: ClassVar[bool] = False
     # Whether the codec stores any tensor of its dtypes, so that ``ACTConfig.codec`` may name it. False: it holds
     # only what one op saves (a ReLU output's signs, dropout noise, max-pool indices, a bool mask) and is chosen
     # by that op's rule: as the codec of every activation it would silently store the wrong values.

@@ -24,9 +24,11 @@ class MinimumBits(NamedTuple):
     """A rule's answer for a tensor whose backward amplifies its error: the codec the engine would pick (the
     configured one, a policy's), at ``bits`` per element or more. Lossless and error-bounded codecs stand as they
     are; a quantizing codec below ``bits`` runs at ``bits``; another lossy codec (division) gives way to quantize at
-    ``bits``."""
+    ``bits``. ``in_range``: the codec must also keep each value within its group's range (``Codec.keeps_range``),
+    so an error-bounded one gives way to quantize too."""
 
     bits: int
+    in_range: bool = False
 
 
 OpRule = Callable[[torch.Tensor, FunctionCall], Optional[Union[Codec, MinimumBits]]]
@@ -156,14 +158,26 @@ def _infinite_order_rule(name: str) -> OpRule:
     return rule
 
 
-# Backwards that divide by a saved tensor: sqrt, rsqrt and reciprocal by their result, a division by its divisor. A
-# codec that does not keep a value's sign and range (division's residuals, lorenzo's zeros under its bound) turns a
-# small divisor into 0 or a negative: an infinite or wrong-signed gradient. What they divide by is mostly a
-# statistic (a norm, a standard deviation, a softmax's row sums), far smaller than the activations: kept exact. A
-# divisor as large as what it divides (a graph attention's per-edge softmax sums) goes at 8 bits or more, in a
-# format that keeps each value within its group's range (MinimumBits: quantize where the codec is division).
-DIVISOR_BITS = 8
-_LARGE_DIVISOR = MinimumBits(DIVISOR_BITS)
+# Backwards that divide by a saved tensor: sqrt, rsqrt and reciprocal by their result, a division by its divisor, a
+# logarithm and a power under 1 by their input. A codec that does not keep a value's sign and range (division's
+# residuals, lorenzo's zeros under its bound) turns a small positive value into 0 or a negative: an infinite or
+# wrong-signed gradient (log(softmax(x)) under lorenzo or division: NaN). What sqrt, rsqrt, reciprocal and most
+# divisions divide by is a statistic (a norm, a standard deviation, a softmax's row sums), far smaller than the
+# activations: kept exact. A divisor as large as what it divides (a graph attention's per-edge softmax sums), a
+# logarithm's or a root's input go at 8 bits or more in a format that keeps values within their group's range
+# (quantize, which the configured codec gives way to where it does not).
+IN_RANGE_BITS = 8
+_IN_RANGE = MinimumBits(IN_RANGE_BITS, in_range=True)
+
+
+def _in_range_rule(t: torch.Tensor, call: FunctionCall) -> MinimumBits | None:
+    return _IN_RANGE if t.is_floating_point() else None
+
+
+def _power_rule(t: torch.Tensor, call: FunctionCall) -> MinimumBits | None:
+    # d/dx x^p = p x^(p-1): a power under 1 (a root, a negative power) divides by its input
+    exponent = _argument(call, 1, "exponent")
+    return _in_range_rule(t, call) if isinstance(exponent, (int, float)) and exponent < 1 else None
 
 
 def _divisor_rule(t: torch.Tensor, call: FunctionCall) -> Codec | MinimumBits | None:
@@ -172,7 +186,7 @@ def _divisor_rule(t: torch.Tensor, call: FunctionCall) -> Codec | MinimumBits | 
             t.shape == divisor.shape and t.stride() == divisor.stride()):
         return None
     if torch.is_tensor(dividend) and divisor.numel() >= dividend.numel() and 0 not in divisor.stride():
-        return _LARGE_DIVISOR  # (a statistic expanded to the dividend's shape holds only its own elements)
+        return _IN_RANGE  # (a statistic expanded to the dividend's shape holds only its own elements)
     return KEPT_EXACT
 
 
@@ -189,6 +203,10 @@ register_op_rule((torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tenso
 register_op_rule((torch.norm, torch.Tensor.norm), _infinite_order_rule("p"), gradient=True)
 register_op_rule((torch.linalg.norm, torch.linalg.vector_norm, torch.linalg.matrix_norm), _infinite_order_rule("ord"),
                  gradient=True)
+register_op_rule((torch.log, torch.log_, torch.Tensor.log, torch.Tensor.log_, torch.log2, torch.Tensor.log2,
+                  torch.log10, torch.Tensor.log10), _in_range_rule, gradient=True)
+register_op_rule((torch.pow, torch.Tensor.pow, torch.Tensor.pow_, torch.Tensor.__pow__, torch.Tensor.__ipow__),
+                 _power_rule, gradient=True)
 register_op_rule((torch.div, torch.Tensor.div, torch.Tensor.div_, torch.divide, torch.Tensor.divide,
                   torch.true_divide, torch.Tensor.true_divide, torch.Tensor.__truediv__, torch.Tensor.__itruediv__),
                  _divisor_rule, gradient=True)

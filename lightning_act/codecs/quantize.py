@@ -42,6 +42,7 @@ class QuantizeCodec(Codec):
     name = "quantize"
     dtypes = frozenset(FLOAT_DTYPES)
     config_fields = ("bits", "group_size", "stats_dtype", "seed", "backend")
+    keeps_range = True  # codes on a grid from each group's minimum to its maximum (16 bits: bfloat16 values)
     # buffers given as separate tensors (a dict): the format was checked in __init__, not again per tensor
     _decode_kernel = functools.partial(dequantize_cuda, checked=False)
 
