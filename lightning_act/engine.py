@@ -326,9 +326,9 @@ class _Step:
         self.minimum_bits: dict[int, int] = {}  # saved-tensor index -> the least bits an op rule asked for it
         self.in_range: set[int] = set()  # saved-tensor indices whose rule asked for a codec that keeps ranges
         # (storage ptr, dtype, version, memory range or view geometry) -> [weak reference to the storage, or None
-        # where a kept tensor holds it alive; {codec name (None: kept): _Saved of its first save}]: what is stored of
-        # each range, once per codec, and counted once in the step's original bytes (a ReLU output stored as its
-        # mask and as the next layer's values counts once)
+        # where a kept tensor holds it alive; {codec name (None: kept), or the codec of a rule's in-range copy:
+        # _Saved of its first save}]: what is stored of each range, once per codec, and counted once in the step's
+        # original bytes (a ReLU output stored as its mask and as the next layer's values counts once)
         self.stored: dict[tuple, list] = {}
 
 
