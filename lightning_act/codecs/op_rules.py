@@ -1,4 +1,6 @@
-"""Codecs chosen by the function that saves a tensor (lossless masks for ops whose backward needs little).
+"""Codecs chosen by the function that saves a tensor: lossless masks for ops whose backward needs little, exact
+values or higher precision where a backward compares, divides or exponentiates, and replacements of ops whose
+backward can keep less.
 
 A rule maps a torch function (``torch.nn.functional.relu``, ``torch.relu``, ``Tensor.relu_``, ...) to a
 callable ``rule(saved_tensor, call) -> Codec | None`` that picks the codec for a tensor saved while that
@@ -9,9 +11,8 @@ values) is stored again with that function's codec: the engine's de-duplication 
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Union
-
 import math
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -42,8 +43,7 @@ KEPT_EXACT = PassthroughCodec()
 def register_op_rule(functions: tuple[Callable, ...], rule: OpRule, *, gradient: bool = False) -> None:
     """Let ``rule`` choose the codec of every tensor saved while one of ``functions`` runs. Each must be an attribute
     of ``torch``, ``torch.nn.functional``, ``torch.linalg``, ``torch.Tensor`` or its own module: the tracker wraps it
-    there.
-    ``gradient``: the rule keeps the gradient right (a lossy value there gives NaN or a far-off gradient), so it
+    there. ``gradient``: the rule keeps the gradient right (a lossy value there gives NaN or a far-off gradient), so it
     applies even where ``ACTConfig.compress_masks`` turns the rules that only save memory off."""
     functions = tuple(original(fn) for fn in functions)
     for fn in functions:
