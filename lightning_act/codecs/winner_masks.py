@@ -44,6 +44,7 @@ class ScatterWinners(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         target_won, src_won, index = ctx.saved_tensors
+        create_graph = torch.is_grad_enabled()  # a double backward (a gradient penalty): torch's formula is linear
         fill = _FILL[ctx.reduce]
         target = torch.full(target_won.shape, fill, dtype=ctx.dtype, device=grad.device).masked_fill_(target_won, 0)
         src = torch.full(src_won.shape, fill, dtype=ctx.dtype, device=grad.device).masked_fill_(src_won, 0)
@@ -52,7 +53,7 @@ class ScatterWinners(torch.autograd.Function):
             src.requires_grad_(ctx.needs_input_grad[1])
             result = _aten_scatter_reduce(target, ctx.dim, index, src, ctx.reduce, include_self=ctx.include_self)
             wanted = [t for t in (target, src) if t.requires_grad]
-            grads = iter(torch.autograd.grad(result, wanted, grad))
+            grads = iter(torch.autograd.grad(result, wanted, grad, create_graph=create_graph))
         return (next(grads) if target.requires_grad else None, next(grads) if src.requires_grad else None,
                 None, None, None, None, None)
 
