@@ -14,6 +14,7 @@ from lightning_act.stats import COMPRESSED
 
 torch.manual_seed(0)
 _INDEX = torch.randint(0, 50, (512,))
+_TARGET = torch.rand(512, 32) * 0.98 + 0.01
 _COLUMNS = _INDEX[:, None].expand(-1, 32)
 
 # op name -> a loss of h (512 x 32, every value distinct) whose backward compares or divides by h or its result
@@ -143,7 +144,11 @@ def test_other_calls_of_those_functions_are_compressed(op):
     (_large_divisor_loss, "a divisor as large as its dividend"),
     (lambda h: torch.log(h + 10).sum(), "log's input"),
     (lambda h: ((h + 10) ** -0.5).sum(), "a power under 1's input"),
-], ids=["divisor", "log", "power"])
+    # (clamp saves its input, not the probabilities; the constant target goes at 8 bits too)
+    (lambda h: nn.functional.binary_cross_entropy((h * 0.05 + 0.5).clamp(0.01, 0.99), _TARGET), "BCE's input"),
+    (lambda h: nn.functional.kl_div(_TARGET.log(), (h * 0.05 + 0.5).clamp(0.01, 0.99), reduction="sum"),
+     "kl_div's target"),
+], ids=["divisor", "log", "power", "binary cross-entropy", "kl_div"])
 def test_what_a_backward_divides_by_goes_at_8_bits_in_range(loss_of, op, codec):
     """An elementwise divisor (a graph attention's per-edge softmax sums), a logarithm's or a root's input are not
     kept whole: 8 bits of quantize, whose grid stays within each group's range (division and lorenzo give way to
@@ -151,7 +156,7 @@ def test_what_a_backward_divides_by_goes_at_8_bits_in_range(loss_of, op, codec):
     got, compressor = _gradient(loss_of, act.ACTConfig(min_numel=0, **CODECS[codec]), _input())
     assert got.isfinite().all(), op
     in_range = [r for r in compressor.stats().records if r.bits == op_rules.IN_RANGE_BITS]
-    assert len(in_range) == 1 and in_range[0].codec == "quantize" and in_range[0].kind == COMPRESSED
+    assert in_range and all(r.codec == "quantize" and r.kind == COMPRESSED for r in in_range)
 
 
 def test_the_gradient_rules_are_tracked_without_masks():

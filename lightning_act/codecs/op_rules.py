@@ -203,8 +203,10 @@ register_op_rule((torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tenso
 register_op_rule((torch.norm, torch.Tensor.norm), _infinite_order_rule("p"), gradient=True)
 register_op_rule((torch.linalg.norm, torch.linalg.vector_norm, torch.linalg.matrix_norm), _infinite_order_rule("ord"),
                  gradient=True)
+# (binary cross-entropy divides by p (1 - p) of its saved probabilities; kl_div takes the log of its target)
 register_op_rule((torch.log, torch.log_, torch.Tensor.log, torch.Tensor.log_, torch.log2, torch.Tensor.log2,
-                  torch.log10, torch.Tensor.log10), _in_range_rule, gradient=True)
+                  torch.log10, torch.Tensor.log10, torch.nn.functional.binary_cross_entropy,
+                  torch.nn.functional.kl_div), _in_range_rule, gradient=True)
 register_op_rule((torch.pow, torch.Tensor.pow, torch.Tensor.pow_, torch.Tensor.__pow__, torch.Tensor.__ipow__),
                  _power_rule, gradient=True)
 register_op_rule((torch.div, torch.Tensor.div, torch.Tensor.div_, torch.divide, torch.Tensor.divide,
