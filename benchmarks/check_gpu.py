@@ -422,6 +422,37 @@ class Checks:
                                         nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(256), nn.Linear(256, 10)],
                                batch, size)
 
+    def winner_masks(self, dtype: torch.dtype, edges: int = 20000) -> str | None:
+        """A GNN's max and min aggregations (``scatter_reduce_`` by amax and amin over ``edges`` x 64 ReLU'd
+        messages: ties at zero) under a compressor on the device: torch's result and gradient, bit for bit, from
+        the winner masks (``codecs.winner_masks``), stored by the bitmask kernels."""
+        torch.manual_seed(0)
+        nodes = max(edges // 40, 1)
+        index = torch.randint(0, nodes, (edges,), device=self.device)[:, None].expand(-1, 64)
+        messages = torch.randn(edges, 64, device=self.device, dtype=dtype).relu()
+        weights = torch.randn(nodes, 64, device=self.device, dtype=dtype)
+        problems = []
+        for reduce in ("amax", "amin"):
+            runs = []
+            for compressed in (False, True):
+                leaf = messages.clone().requires_grad_()
+                with self.kernels():  # (backend="cupy" takes the emulator's runner on CPU)
+                    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0, backend="cupy")) \
+                        if compressed else None
+                    with compressor.compress() if compressor is not None else contextlib.nullcontext():
+                        out = leaf.new_zeros(nodes, 64).scatter_reduce_(0, index, leaf * 1, reduce,
+                                                                        include_self=False)
+                    (out * weights).sum().backward()
+                runs.append((out.detach(), leaf.grad, compressor))
+            (expected, expected_grad, _), (got, grad, compressor) = runs
+            if not (torch.equal(got, expected) and torch.equal(grad, expected_grad)):
+                problems.append(f"{reduce}: result or gradient differs from torch's")
+            masks = {r.codec for r in compressor.stats().records if r.dtype == torch.bool}
+            if masks != {"bitmask"} or any(r.dtype.is_floating_point for r in compressor.stats().records
+                                           if r.kind == "compressed"):
+                problems.append(f"{reduce}: stored {sorted(masks)} and floats, not only 1-bit masks")
+        return "; ".join(problems) or None
+
     def step_no_sync(self, config: act.ACTConfig | None, compiled: bool = False) -> str | None:
         """A training step's forward and backward under bf16 autocast and ``set_sync_debug_mode("error")``, after
         two warm-up steps (plans, kernels compiled; ``compiled``: the model ``torch.compile``'d): nothing the
@@ -544,6 +575,9 @@ def checks(device: torch.device, only: tuple[str, ...], codecs: tuple[str, ...] 
     plan.append(("lorenzo trim", "float32", c.lorenzo_trim))
     for dtype in (torch.float32, torch.bfloat16):
         plan.append(("lorenzo tiles", str(dtype).removeprefix("torch."), lambda dtype=dtype: c.lorenzo_tiles(dtype)))
+    for dtype in (torch.bfloat16, torch.float32):
+        plan.append(("winner masks", f"scatter max/min, 20k x 64, {str(dtype).removeprefix('torch.')}",
+                     lambda dtype=dtype: c.winner_masks(dtype)))
     plan.append(("side stream", "BERT 2x128, 4-bit, bf16", c.side_stream))
     plan.append(("step", "BERT 2x128, 4-bit", c.step))
     plan.append(("host", "BERT-base shape, 1 x 8, 4-bit", c.host_time))

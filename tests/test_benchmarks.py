@@ -526,6 +526,9 @@ def test_check_gpu_stands_in_on_cpu_and_reports_a_kernel_that_stores_other_bytes
     # the driver launch against CuPy's call needs both on a GPU (tests/test_cuda_quantize.py runs them on CPU)
     checks.run("launch", "quantize", lambda: checks.launch_modes("quantize", {"bits": 4}, torch.bfloat16))
     assert checks.rows[-1]["status"] == "skipped", checks.rows[-1]
+    # a GNN's scatter max and min through the winner masks, the bitmask kernel emulated
+    checks.run("winner masks", "bf16", lambda: checks.winner_masks(torch.bfloat16, edges=400))
+    assert checks.rows[-1]["status"] == "ok", checks.rows[-1]
     # the whole-step no-sync check: on CPU its steps run (through the emulator) and it skips
     checks.run("step no sync", "net", lambda: checks.step_no_sync(act.ACTConfig(bits=4, adaptive=False)))
     assert checks.rows[-1]["status"] == "skipped" and "the steps ran" in checks.rows[-1]["detail"], checks.rows[-1]
