@@ -4,10 +4,10 @@
 #
 #   bash benchmarks/gpu_session.sh [SECONDS]     # in all, default 500: give the device tool timeout_s=590
 #
-# 1. check_gpu.py: the driver launch against CuPy's call (alone first: see below), the kernels against the specification on the device, no host synchronisation, lorenzo's trim,
-#    a GNN's scatter max/min through its winner masks, the compiled (Triton) path, side-stream gradients, a
-#    compressed bf16 step, a compiled model (the kernel encode
-#    op), host µs per saved tensor (and a cProfile of those hooks);
+# 1. check_gpu.py: the driver launch against CuPy's call (alone first: see below), the kernels against the
+#    specification on the device, no host synchronisation, lorenzo's trim, a GNN's scatter max/min through its
+#    winner masks, the compiled (Triton) path, side-stream gradients, a compressed bf16 step, a compiled model (the
+#    kernel encode op), host µs per saved tensor (and a cProfile of those hooks);
 # 2. bench_gpu.py on BERT-base torch.compile'd (alone; 4-bit inside its graphs, the traced encode and the kernel
 #    encode op, whose backwards decode by inlined traced ops; with torch checkpointing), each compiling first
 #    (the compile times are reported);
