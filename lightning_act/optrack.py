@@ -3,10 +3,10 @@
 A saved tensor's ``grad_fn`` cannot tell a ReLU saving its output from the next layer saving the same tensor
 as its input; the function being called can. While a :class:`FunctionTracker` is active, each function it
 tracks (the op rules' and the weight-taking products: a few dozen) is replaced where code looks it up
-(``torch.nn.functional``, ``torch``, ``torch.linalg``, ``torch.Tensor``, the function's own module) by a wrapper
-that records its call in the running thread's tracker, so the pack hook, which fires inside the call, sees it; a
-tracker's replacement of a function runs in the call's place (a scatter max that saves masks, not values). Every
-other torch call runs untouched. (A ``TorchFunctionMode`` sees every call: it took 1.5-5.8 ms a forward of the proxy
+(``torch.nn.functional``, ``torch``, ``torch.linalg``, ``torch.special``, ``torch.Tensor``, the function's own
+module) by a wrapper that records its call in the running thread's tracker, so the pack hook, which fires inside
+the call, sees it; a tracker's replacement of a function runs in the call's place (a scatter max that saves masks,
+not values). Every other torch call runs untouched. (A ``TorchFunctionMode`` sees every call: it took 1.5-5.8 ms a forward of the proxy
 models on this project's CPU where the wrappers take 0.7-1.0, ``benchmarks/bench_host_overhead.py --tracking``.)
 
 The outermost tracked call is reported: ``F.relu`` calling ``torch.relu``, or ``nn.MaxPool2d`` calling
@@ -63,11 +63,14 @@ def _wrapper(func: Callable) -> Callable:
     return tracked
 
 
+# The namespaces code looks torch functions up in (besides ``torch.Tensor`` and a function's own module)
+LOOKUP_MODULES = (F, torch, torch.linalg, torch.special)
+
+
 def patch_sites(func: Callable) -> list[tuple[object, str]]:
-    """Where code looks ``func`` up: ``(owner, name)`` in ``torch.nn.functional``, ``torch``, ``torch.linalg``,
-    ``torch.Tensor`` and the function's own module whose attribute is ``func`` (aliases included: ``F.conv2d`` is
-    ``torch.conv2d``)."""
-    owners = [F, torch, torch.linalg]
+    """Where code looks ``func`` up: ``(owner, name)`` in ``LOOKUP_MODULES``, ``torch.Tensor`` and the function's own
+    module whose attribute is ``func`` (aliases included: ``F.conv2d`` is ``torch.conv2d``)."""
+    owners = list(LOOKUP_MODULES)
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     if module is not None and module not in owners:
         owners.append(module)

@@ -83,6 +83,10 @@ def _large_divisor_loss(h):
     return (h.detach() / (h.square() + 1e-3)).sum()
 
 
+def _probabilities(h):
+    return (h * 0.1 + 0.5).clamp(0.001, 0.999)  # (clamp saves its input, not these)
+
+
 def _log_probabilities_loss(h):
     return torch.log(torch.softmax(h * 4, dim=1))[:, 0].sum()  # log of a softmax: many tiny probabilities
 
@@ -91,7 +95,8 @@ def _log_probabilities_loss(h):
     (torch.amax, COMPARING["torch.amax"], dict(bits=2, adaptive=False)),
     (torch.Tensor.__truediv__, _large_divisor_loss, dict(codec="division")),
     (torch.log, _log_probabilities_loss, dict(codec="lorenzo", error_bound=1e-2)),
-], ids=["amax", "division by a small divisor", "log of probabilities under lorenzo"])
+    (torch.hypot, lambda h: torch.hypot(h, _TARGET).sum(), dict(codec="division")),
+], ids=["amax", "division by a small divisor", "log of probabilities under lorenzo", "hypot under division"])
 def test_without_the_rule_the_gradient_is_lost(rule_of, loss_of, codec):
     """What the rules prevent: the same ops with the rule taken out give NaN or infinite gradients."""
     rule = op_rules.OP_RULES[rule_of]
@@ -148,7 +153,15 @@ def test_other_calls_of_those_functions_are_compressed(op):
     (lambda h: nn.functional.binary_cross_entropy((h * 0.05 + 0.5).clamp(0.01, 0.99), _TARGET), "BCE's input"),
     (lambda h: nn.functional.kl_div(_TARGET.log(), (h * 0.05 + 0.5).clamp(0.01, 0.99), reduction="sum"),
      "kl_div's target"),
-], ids=["divisor", "log", "power", "binary cross-entropy", "kl_div"])
+    (lambda h: torch.hypot(h, _TARGET).sum(), "hypot's result"),
+    (lambda h: torch.xlogy(_TARGET, _probabilities(h)).sum(), "xlogy's y"),
+    (lambda h: torch.special.entr(_probabilities(h)).sum(), "entr's input"),
+    (lambda h: torch.acosh(_probabilities(h) + 1).sum(), "acosh's input, near its domain's edge"),
+    (lambda h: torch.logit(_probabilities(h)).sum(), "logit's input"),
+    (lambda h: nn.functional.poisson_nll_loss(_probabilities(h), _TARGET * 3, log_input=False), "Poisson NLL's"),
+    (lambda h: torch.pow(_probabilities(h), _TARGET).sum(), "a base under a tensor exponent"),
+], ids=["divisor", "log", "power", "binary cross-entropy", "kl_div", "hypot", "xlogy", "entr", "acosh", "logit",
+        "poisson_nll_loss", "tensor power"])
 def test_what_a_backward_divides_by_goes_at_8_bits_in_range(loss_of, op, codec):
     """An elementwise divisor (a graph attention's per-edge softmax sums), a logarithm's or a root's input are not
     kept whole: 8 bits of quantize, whose grid stays within each group's range (division and lorenzo give way to

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from ..optrack import FunctionCall, original, patch_sites
+from ..optrack import LOOKUP_MODULES, FunctionCall, original, patch_sites
 from .base import Codec
 from .passthrough import PassthroughCodec
 
@@ -34,6 +34,7 @@ class MinimumBits(NamedTuple):
 
 OpRule = Callable[[torch.Tensor, FunctionCall], Optional[Union[Codec, MinimumBits]]]
 OP_RULES: dict[Callable, OpRule] = {}
+_LOOKUP = ", ".join(module.__name__ for module in LOOKUP_MODULES)
 # The functions of rules that keep a gradient right (not only smaller): tracked even with compress_masks=False
 GRADIENT_RULE_FUNCTIONS: set[Callable] = set()
 # What a rule answers for a tensor that must come back exactly: stored as it is
@@ -42,15 +43,13 @@ KEPT_EXACT = PassthroughCodec()
 
 def register_op_rule(functions: tuple[Callable, ...], rule: OpRule, *, gradient: bool = False) -> None:
     """Let ``rule`` choose the codec of every tensor saved while one of ``functions`` runs. Each must be an attribute
-    of ``torch``, ``torch.nn.functional``, ``torch.linalg``, ``torch.Tensor`` or its own module: the tracker wraps it
-    there. ``gradient``: the rule keeps the gradient right (a lossy value there gives NaN or a far-off gradient), so it
+    of ``optrack.LOOKUP_MODULES``, ``torch.Tensor`` or its own module: the tracker wraps it there. ``gradient``: the rule keeps the gradient right (a lossy value there gives NaN or a far-off gradient), so it
     applies even where ``ACTConfig.compress_masks`` turns the rules that only save memory off."""
     functions = tuple(original(fn) for fn in functions)
     for fn in functions:
         if not patch_sites(fn):
-            raise ValueError(f"register_op_rule: {fn!r} is not an attribute of torch, torch.nn.functional, "
-                             f"torch.linalg, torch.Tensor or its module {getattr(fn, '__module__', None)!r}; expected "
-                             "a function that code looks up there")
+            raise ValueError(f"register_op_rule: {fn!r} is not an attribute of {_LOOKUP}, torch.Tensor or its module "
+                             f"{getattr(fn, '__module__', None)!r}; expected a function that code looks up there")
     for fn in functions:
         OP_RULES[fn] = rule
         if gradient:
@@ -79,8 +78,8 @@ def register_op_replacement(functions: tuple[Callable, ...], replacement: OpRepl
     computes the same result and gradient as the function, with less saved for its backward)."""
     for fn in functions:
         if not patch_sites(original(fn)):
-            raise ValueError(f"register_op_replacement: {fn!r} is not an attribute of torch, torch.nn.functional, "
-                             f"torch.linalg, torch.Tensor or its module; expected a function that code looks up there")
+            raise ValueError(f"register_op_replacement: {fn!r} is not an attribute of {_LOOKUP}, torch.Tensor or its "
+                             "module; expected a function that code looks up there")
     OP_REPLACEMENTS.update(dict.fromkeys(map(original, functions), replacement))
 
 
@@ -175,9 +174,12 @@ def _in_range_rule(t: torch.Tensor, call: FunctionCall) -> MinimumBits | None:
 
 
 def _power_rule(t: torch.Tensor, call: FunctionCall) -> MinimumBits | None:
-    # d/dx x^p = p x^(p-1): a power under 1 (a root, a negative power) divides by its input
+    # d/dx x^p = p x^(p-1): a power under 1 (a root, a negative power) divides by its input; a tensor exponent's
+    # gradient takes the log of the base
     exponent = _argument(call, 1, "exponent")
-    return _in_range_rule(t, call) if isinstance(exponent, (int, float)) and exponent < 1 else None
+    if torch.is_tensor(exponent) or (isinstance(exponent, (int, float)) and exponent < 1):
+        return _in_range_rule(t, call)
+    return None
 
 
 def _divisor_rule(t: torch.Tensor, call: FunctionCall) -> Codec | MinimumBits | None:
@@ -203,10 +205,27 @@ register_op_rule((torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tenso
 register_op_rule((torch.norm, torch.Tensor.norm), _infinite_order_rule("p"), gradient=True)
 register_op_rule((torch.linalg.norm, torch.linalg.vector_norm, torch.linalg.matrix_norm), _infinite_order_rule("ord"),
                  gradient=True)
-# (binary cross-entropy divides by p (1 - p) of its saved probabilities; kl_div takes the log of its target)
-register_op_rule((torch.log, torch.log_, torch.Tensor.log, torch.Tensor.log_, torch.log2, torch.Tensor.log2,
-                  torch.log10, torch.Tensor.log10, torch.nn.functional.binary_cross_entropy,
-                  torch.nn.functional.kl_div), _in_range_rule, gradient=True)
+def _variants(*names: str) -> tuple[Callable, ...]:
+    """Each function ``name`` as torch, torch.special and torch.Tensor have it, with its in-place forms."""
+    found = {}
+    for name in names:
+        for owner, attribute in ((torch, name), (torch, name + "_"), (torch.special, name),
+                                 (torch.Tensor, name), (torch.Tensor, name + "_")):
+            fn = getattr(owner, attribute, None)
+            if fn is not None:
+                found[id(fn)] = fn
+    return tuple(found.values())
+
+
+# The same for what a backward takes a logarithm of (xlogy's y, entr's x; binary cross-entropy divides by p (1 - p)
+# of its saved probabilities, kl_div takes the log of its target, poisson_nll_loss without log input divides by
+# it, hypot by its result) and for functions whose derivative is singular at the edge of their domain (asin, acos,
+# atanh, acosh, logit, log1p, erfinv, lgamma, digamma): a value outside its group's range can be outside the
+# domain (acosh under lorenzo: NaN), one inside cannot.
+register_op_rule(_variants("log", "log2", "log10", "log1p", "xlogy", "entr", "xlog1py", "hypot", "asin", "acos",
+                           "atanh", "acosh", "logit", "erfinv", "lgamma", "digamma") +
+                 (torch.nn.functional.binary_cross_entropy, torch.nn.functional.kl_div,
+                  torch.nn.functional.poisson_nll_loss), _in_range_rule, gradient=True)
 register_op_rule((torch.pow, torch.Tensor.pow, torch.Tensor.pow_, torch.Tensor.__pow__, torch.Tensor.__ipow__),
                  _power_rule, gradient=True)
 register_op_rule((torch.div, torch.Tensor.div, torch.Tensor.div_, torch.divide, torch.Tensor.divide,
