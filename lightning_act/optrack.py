@@ -99,20 +99,36 @@ class _Wrappers:
         self.functions: set[Callable] = set()
         # per function, made once: where it is looked up, and its wrapper (a step installs them, not builds them)
         self._sites: dict[Callable, tuple[list[tuple[object, str]], Callable]] = {}
+        # per set of functions, made once: ((owner, name), owner, name, wrapper, owner is a class) for every site
+        self._plans: dict[frozenset[Callable], tuple[tuple, ...]] = {}
 
-    def enter(self, functions: frozenset[Callable]) -> None:
-        with self.lock:
-            self.active += 1
-            for func in functions - self.functions:  # a rule registered since: wrapped from now on
+    def _plan(self, functions: frozenset[Callable]) -> tuple[tuple, ...]:
+        plan = self._plans.get(functions)
+        if plan is None:
+            steps = []
+            for func in functions:
                 found = self._sites.get(func)
                 if found is None:
                     found = self._sites[func] = (patch_sites(func), _wrapper(func))
                 sites, wrapper = found
-                for owner, name in sites:
-                    own = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name)
-                    self.installed[(owner, name)] = (wrapper, own)
-                    setattr(owner, name, wrapper)
-                self.functions.add(func)
+                steps += [((owner, name), owner, name, wrapper, isinstance(owner, type)) for owner, name in sites]
+            if len(self._plans) >= 16:  # (a few sets per process: with and without masks, tests' own)
+                self._plans.clear()
+            plan = self._plans[functions] = tuple(steps)
+        return plan
+
+    def enter(self, functions: frozenset[Callable]) -> None:
+        with self.lock:
+            self.active += 1
+            # the first tracker installs its set; a later one, what it adds (a rule registered since)
+            wanted = functions - self.functions if self.functions else functions
+            if not wanted:
+                return
+            installed = self.installed
+            for key, owner, name, wrapper, is_class in self._plan(frozenset(wanted)):
+                installed[key] = (wrapper, vars(owner).get(name) if is_class else getattr(owner, name))
+                setattr(owner, name, wrapper)
+            self.functions |= wanted
 
     def exit(self) -> None:
         with self.lock:

@@ -83,13 +83,13 @@ def register_op_replacement(functions: tuple[Callable, ...], replacement: OpRepl
     OP_REPLACEMENTS.update(dict.fromkeys(map(original, functions), replacement))
 
 
-def tracked_functions(masks: bool = True) -> set[Callable]:
+def tracked_functions(masks: bool = True) -> frozenset[Callable]:
     """The functions a ``FunctionTracker`` records: those with a rule or a replacement and those with a weight
     argument; without ``masks`` (``ACTConfig.compress_masks=False``), only those of the rules that keep gradients
     right and of the replacements."""
     if not masks:
-        return GRADIENT_RULE_FUNCTIONS | OP_REPLACEMENTS.keys()
-    return OP_RULES.keys() | WEIGHT_ARGUMENT.keys() | OP_REPLACEMENTS.keys()
+        return frozenset(GRADIENT_RULE_FUNCTIONS | OP_REPLACEMENTS.keys())
+    return frozenset(OP_RULES.keys() | WEIGHT_ARGUMENT.keys() | OP_REPLACEMENTS.keys())
 
 
 def codec_for_call(call: FunctionCall | None, t: torch.Tensor) -> Codec | MinimumBits | None:
