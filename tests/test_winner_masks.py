@@ -2,6 +2,7 @@
 the same gradient as torch's, from 1-bit winner masks instead of exact float copies of the gathered values."""
 import pytest
 import torch
+from torch import nn
 
 import lightning_act as act
 from lightning_act.codecs import op_rules
@@ -104,7 +105,10 @@ def _grad_fn_under_compressor(body):
                                                    torch.randn(5, 3, requires_grad=True), "amax"), False),
     (lambda: torch.zeros(4, 3).scatter_reduce(0, torch.zeros(5, 3, dtype=torch.long),
                                               torch.randn(5, 3, requires_grad=True), "amax"), True),
-], ids=["sum", "no grad", "view in place", "amax"])
+    # a tensor subclass dispatches the call its own way
+    (lambda: torch.zeros(4, 3).scatter_reduce(0, torch.zeros(5, 3, dtype=torch.long),
+                                              nn.Parameter(torch.randn(5, 3)), "amax"), False),
+], ids=["sum", "no grad", "view in place", "amax", "subclass"])
 def test_which_calls_are_replaced(body, replaced):
     assert (_grad_fn_under_compressor(body) == "ScatterWinnersBackward") == replaced
 

@@ -77,7 +77,8 @@ def scatter_winners(func, args: tuple, kwargs: dict):
     if values is None or values["reduce"] not in _FILL or not torch.is_grad_enabled():
         return NotImplemented
     target, index, src, dim = values["input"], values["index"], values["src"], values["dim"]
-    if not (isinstance(target, torch.Tensor) and isinstance(src, torch.Tensor) and isinstance(index, torch.Tensor)
+    # (plain tensors: a subclass, DTensor's, dispatches the call its own way)
+    if not (type(target) is torch.Tensor and type(src) is torch.Tensor and type(index) is torch.Tensor
             and isinstance(dim, int) and (target.requires_grad or src.requires_grad)
             and target.dtype == src.dtype and target.is_floating_point() and index.dtype == torch.int64
             and target.layout == src.layout == index.layout == torch.strided):
