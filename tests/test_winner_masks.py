@@ -160,3 +160,11 @@ def test_a_double_backward_through_it_matches_torchs():
     got = second_order(act.ACTConfig(min_numel=0))
     assert expected[1].abs().sum() > 0
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_a_call_torch_refuses_is_refused_by_torch():
+    """A call missing ``reduce`` reaches torch, whose TypeError names it (not a KeyError from the replacement)."""
+    compressor = act.ActivationCompressor(None, act.ACTConfig(min_numel=0))
+    with pytest.raises(TypeError, match="reduce"), compressor.compress():
+        torch.zeros(4, 3).scatter_reduce(0, torch.zeros(5, 3, dtype=torch.long), torch.randn(5, 3, requires_grad=True),
+                                         include_self=False)

@@ -66,7 +66,7 @@ def _bound(args: tuple, kwargs: dict) -> dict | None:
         if name in values or name not in (*_ARGUMENTS, "include_self"):
             return None  # out=, or a name given twice
         values[name] = value
-    return values if len(values) >= len(_ARGUMENTS) else None
+    return values if all(name in values for name in _ARGUMENTS) else None  # (torch says what is missing)
 
 
 def scatter_winners(func, args: tuple, kwargs: dict):
