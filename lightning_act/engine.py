@@ -323,8 +323,7 @@ class _Step:
         self.records: list[TensorRecord] = [] if records is None else records
         self.phase = phase
         self.tracker: FunctionTracker | None = None
-        self.minimum_bits: dict[int, int] = {}  # saved-tensor index -> the least bits an op rule asked for it
-        self.in_range: set[int] = set()  # saved-tensor indices whose rule asked for a codec that keeps ranges
+        self.floors: dict[int, op_rules.MinimumBits] = {}  # saved-tensor index -> what an op rule asked for it
         # (storage ptr, dtype, version, memory range or view geometry) -> [weak reference to the storage, or None
         # where a kept tensor holds it alive; {codec name (None: kept), or the codec of a rule's in-range copy:
         # _Saved of its first save}]: what is stored of each range, once per codec, and counted once in the step's
@@ -525,7 +524,8 @@ class ActivationCompressor:
         (:class:`~lightning_act.codecs.op_rules.MinimumBits`), or None: known when the engine asks a ``bits_policy``
         about that tensor, which may then count what will be stored (auto-precision does)."""
         step = getattr(self._thread, "step", None)
-        return step.minimum_bits.get(index) if step is not None else None
+        floor = step.floors.get(index) if step is not None else None
+        return floor.bits if floor is not None else None
 
     def stats(self) -> CompressionStats:
         """Statistics of this thread's last completed ``compress()`` step (of any thread's, when this one ran
@@ -730,8 +730,8 @@ class ActivationCompressor:
         entry = stored.get(key)
         if entry is not None and (entry[0] is None or not entry[0].expired()):
             first = entry[1].get(name)
-            if first is not None and index in step.in_range and first.codec is not None and \
-                    not (first.codec.lossless or first.codec.keeps_range):
+            if first is not None and first.codec is not None and not (first.codec.lossless or first.codec.keeps_range) \
+                    and (floor := step.floors.get(index)) is not None and floor.in_range:
                 # a rule asked for a codec that keeps ranges (op_rules.MinimumBits(in_range=True)) and an earlier
                 # save took one that does not (a softmax's output under lorenzo, which a log then saves): stored
                 # apart. (One that does serves: a log and a softmax reading the same rounding cancel it out.)
@@ -814,10 +814,8 @@ class ActivationCompressor:
             if rule is not None:
                 codec = rule(t, call)
                 if type(codec) is op_rules.MinimumBits:
+                    step.floors[index] = codec
                     codec, minimum_bits, in_range = None, codec.bits, codec.in_range
-                    step.minimum_bits[index] = minimum_bits
-                    if in_range:
-                        step.in_range.add(index)
                 elif codec is not None and codec.backend != config.backend:
                     codec = self._on_config_backend(codec)
         dtype = t.dtype

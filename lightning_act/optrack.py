@@ -6,8 +6,9 @@ tracks (the op rules' and the weight-taking products: a few dozen) is replaced w
 (``torch.nn.functional``, ``torch``, ``torch.linalg``, ``torch.special``, ``torch.Tensor``, the function's own
 module) by a wrapper that records its call in the running thread's tracker, so the pack hook, which fires inside
 the call, sees it; a tracker's replacement of a function runs in the call's place (a scatter max that saves masks,
-not values). Every other torch call runs untouched. (A ``TorchFunctionMode`` sees every call: it took 1.5-5.8 ms a forward of the proxy
-models on this project's CPU where the wrappers take 0.7-1.0, ``benchmarks/bench_host_overhead.py --tracking``.)
+not values). Every other torch call runs untouched. (A ``TorchFunctionMode`` sees every call: it took 1.5-5.8 ms a
+forward of the proxy models on this project's CPU where the wrappers took 0.7-1.0,
+``benchmarks/bench_host_overhead.py --tracking``.)
 
 The outermost tracked call is reported: ``F.relu`` calling ``torch.relu``, or ``nn.MaxPool2d`` calling
 ``F.max_pool2d`` and ``torch.max_pool2d``, show up as the first. Threads without an active tracker call

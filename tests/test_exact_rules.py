@@ -221,3 +221,35 @@ def test_a_storage_saved_again_by_a_log_is_stored_apart_only_out_of_range(codec,
     records = compressor.stats().records
     assert [(r.codec, r.bits if expected is not None else None) for r, (_, expected) in zip(records, stored)] == \
         stored
+
+
+CONV_OPS = {
+    # a channel's maximum: compared (exact)
+    "amax over channels": (lambda h: torch.amax(h, dim=1).sum(), "none"),
+    # sqrt's result divides its gradient (exact; h + 10: positive, and an add saves nothing)
+    "sqrt": (lambda h: torch.sqrt(h + 10).sum(), "none"),
+    # a log of a positive map: in range, at 8 bits of quantize
+    "log": (lambda h: torch.log(h + 10).sum(), "quantize"),
+}
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+@pytest.mark.parametrize("op", list(CONV_OPS))
+def test_conv_activations_of_every_dtype_and_layout(op, dtype, memory_format):
+    """A conv activation (4 x 8 x 12 x 12) in float64 or bfloat16, contiguous or channels_last, under division: what
+    the op compares or divides by comes back exact (the same gradient as without compression) or in range."""
+    loss_of, codec = CONV_OPS[op]
+    torch.manual_seed(2)
+    x = torch.randn(4, 8, 12, 12, dtype=dtype).to(memory_format=memory_format)
+    expected, _ = _gradient(loss_of, None, x)
+    got, compressor = _gradient(loss_of, act.ACTConfig(min_numel=0, codec="division"), x)
+    assert got.dtype == dtype and got.isfinite().all()
+    records = [r for r in compressor.stats().records if r.dtype == dtype and r.codec == codec]
+    assert records, [(r.codec, r.dtype) for r in compressor.stats().records]
+    if codec == "none":
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    else:
+        assert all(r.bits == op_rules.IN_RANGE_BITS for r in records)
+        torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)

@@ -69,7 +69,7 @@ class LayoutRecorder:
             step = self.compressor.current_step
             if step is not None and step.number != self._step_number:
                 self._step_number, self._asked = step.number, {}
-            key = TensorKey.of(index, t, step.minimum_bits.get(index) if step is not None else None)
+            key = TensorKey.of(index, t, self.compressor.minimum_bits(index))
             self._asked[index] = key
             return policy(key)
 

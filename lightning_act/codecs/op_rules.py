@@ -43,8 +43,9 @@ KEPT_EXACT = PassthroughCodec()
 
 def register_op_rule(functions: tuple[Callable, ...], rule: OpRule, *, gradient: bool = False) -> None:
     """Let ``rule`` choose the codec of every tensor saved while one of ``functions`` runs. Each must be an attribute
-    of ``optrack.LOOKUP_MODULES``, ``torch.Tensor`` or its own module: the tracker wraps it there. ``gradient``: the rule keeps the gradient right (a lossy value there gives NaN or a far-off gradient), so it
-    applies even where ``ACTConfig.compress_masks`` turns the rules that only save memory off."""
+    of ``optrack.LOOKUP_MODULES``, ``torch.Tensor`` or its own module: the tracker wraps it there. ``gradient``: the
+    rule keeps the gradient right (a lossy value there gives NaN or a far-off gradient), so it applies even where
+    ``ACTConfig.compress_masks`` turns the rules that only save memory off."""
     functions = tuple(original(fn) for fn in functions)
     for fn in functions:
         if not patch_sites(fn):
@@ -123,6 +124,18 @@ def _argument(call: FunctionCall, position: int, name: str, default=None):
     return call.args[position] if len(call.args) > position else call.kwargs.get(name, default)
 
 
+def _variants(*names: str) -> tuple[Callable, ...]:
+    """Each function ``name`` as torch, torch.special and torch.Tensor have it, with its in-place forms."""
+    found = {}
+    for name in names:
+        for owner, attribute in ((torch, name), (torch, name + "_"), (torch.special, name),
+                                 (torch.Tensor, name), (torch.Tensor, name + "_")):
+            fn = getattr(owner, attribute, None)
+            if fn is not None:
+                found[id(fn)] = fn
+    return tuple(found.values())
+
+
 def _exact_rule(t: torch.Tensor, call: FunctionCall) -> Codec | None:
     return KEPT_EXACT if t.is_floating_point() else None
 
@@ -192,32 +205,15 @@ def _divisor_rule(t: torch.Tensor, call: FunctionCall) -> Codec | MinimumBits | 
     return KEPT_EXACT
 
 
-register_op_rule((torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin, torch.prod, torch.Tensor.prod,
-                  torch.cumprod, torch.Tensor.cumprod, torch.Tensor.cumprod_, torch.sqrt, torch.sqrt_, torch.Tensor.sqrt,
-                  torch.Tensor.sqrt_, torch.rsqrt, torch.rsqrt_, torch.Tensor.rsqrt, torch.Tensor.rsqrt_,
-                  torch.reciprocal, torch.reciprocal_, torch.Tensor.reciprocal, torch.Tensor.reciprocal_,
-                  torch.Tensor.__rtruediv__), _exact_rule, gradient=True)
-register_op_rule((torch.max, torch.Tensor.max, torch.min, torch.Tensor.min, torch.median, torch.Tensor.median,
-                  torch.nanmedian, torch.Tensor.nanmedian), _whole_tensor_rule, gradient=True)
-register_op_rule((torch.scatter_reduce, torch.Tensor.scatter_reduce, torch.Tensor.scatter_reduce_,
-                  torch.index_reduce, torch.Tensor.index_reduce, torch.Tensor.index_reduce_), _reduce_rule,
-                 gradient=True)
+register_op_rule(_variants("amax", "amin", "prod", "cumprod", "sqrt", "rsqrt", "reciprocal") +
+                 (torch.Tensor.__rtruediv__,), _exact_rule, gradient=True)
+register_op_rule(_variants("max", "min", "median", "nanmedian"), _whole_tensor_rule, gradient=True)
+register_op_rule(_variants("scatter_reduce", "index_reduce"), _reduce_rule, gradient=True)
 register_op_rule((torch.norm, torch.Tensor.norm), _infinite_order_rule("p"), gradient=True)
 register_op_rule((torch.linalg.norm, torch.linalg.vector_norm, torch.linalg.matrix_norm), _infinite_order_rule("ord"),
                  gradient=True)
-def _variants(*names: str) -> tuple[Callable, ...]:
-    """Each function ``name`` as torch, torch.special and torch.Tensor have it, with its in-place forms."""
-    found = {}
-    for name in names:
-        for owner, attribute in ((torch, name), (torch, name + "_"), (torch.special, name),
-                                 (torch.Tensor, name), (torch.Tensor, name + "_")):
-            fn = getattr(owner, attribute, None)
-            if fn is not None:
-                found[id(fn)] = fn
-    return tuple(found.values())
 
-
-# The same for what a backward takes a logarithm of (xlogy's y, entr's x; binary cross-entropy divides by p (1 - p)
+# In range, as a large divisor: what a backward takes a logarithm of (xlogy's y, entr's x; binary cross-entropy divides by p (1 - p)
 # of its saved probabilities, kl_div takes the log of its target, poisson_nll_loss without log input divides by
 # it, hypot by its result) and for functions whose derivative is singular at the edge of their domain (asin, acos,
 # atanh, acosh, logit, log1p, erfinv, lgamma, digamma): a value outside its group's range can be outside the
@@ -226,8 +222,6 @@ register_op_rule(_variants("log", "log2", "log10", "log1p", "xlogy", "entr", "xl
                            "atanh", "acosh", "logit", "erfinv", "lgamma", "digamma") +
                  (torch.nn.functional.binary_cross_entropy, torch.nn.functional.kl_div,
                   torch.nn.functional.poisson_nll_loss), _in_range_rule, gradient=True)
-register_op_rule((torch.pow, torch.Tensor.pow, torch.Tensor.pow_, torch.Tensor.__pow__, torch.Tensor.__ipow__),
-                 _power_rule, gradient=True)
-register_op_rule((torch.div, torch.Tensor.div, torch.Tensor.div_, torch.divide, torch.Tensor.divide,
-                  torch.true_divide, torch.Tensor.true_divide, torch.Tensor.__truediv__, torch.Tensor.__itruediv__),
+register_op_rule(_variants("pow") + (torch.Tensor.__pow__, torch.Tensor.__ipow__), _power_rule, gradient=True)
+register_op_rule(_variants("div", "divide", "true_divide") + (torch.Tensor.__truediv__, torch.Tensor.__itruediv__),
                  _divisor_rule, gradient=True)
