@@ -86,6 +86,21 @@ def test_a_checkpoint_can_monitor_the_compression_ratio(tmp_path):
         trainer.strategy.compressor.stats().ratio)
 
 
+def test_an_epoch_shorter_than_the_logging_interval_still_feeds_the_monitors(tmp_path):
+    """At the default interval (the Trainer's 50 steps) a 4-step epoch logs nothing, yet an epoch-end
+    ``ModelCheckpoint(monitor=...)`` finds the last step's ratio (it raised "could not find the monitored key")."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    logger = MemoryLogger()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="act/compression_ratio", mode="max")
+    trainer = L.Trainer(strategy="act", callbacks=[act.callbacks.CompressionMonitor(), checkpoint],
+                        **{**TRAINER_ARGS, "logger": logger, "enable_checkpointing": True})
+    trainer.fit(TinyCNN(), random_loader())
+    assert trainer.global_step == 4 and not [m for _, m in logger.metrics if "act/compression_ratio" in m]
+    assert checkpoint.best_model_score.item() == pytest.approx(trainer.strategy.compressor.stats().ratio)
+    assert checkpoint.best_model_score.item() > 3
+
+
 def test_tensorboard_gets_scalars_and_histograms(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

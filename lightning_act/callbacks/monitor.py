@@ -31,8 +31,9 @@ class CompressionMonitor(Callback):
     Trainer's) through the Trainer's loggers: the :func:`step_metrics` scalars to every logger, and the
     :func:`tensor_histograms` to TensorBoard loggers. Needs an ``ACTStrategy``/``ACTDDPStrategy``.
 
-    The scalars also go to ``trainer.callback_metrics``, where ``ModelCheckpoint(monitor=...)``,
-    ``EarlyStopping`` and the progress bar's callbacks read them. With gradient accumulation the statistics are
+    The scalars also go to ``trainer.callback_metrics`` at every optimizer step (as ``self.log`` puts them there
+    whatever the logging interval), where ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and the progress
+    bar's callbacks read them. With gradient accumulation the statistics are
     those of the micro-batch that completed the optimizer step, logged once per step.
     """
 
@@ -57,12 +58,13 @@ class CompressionMonitor(Callback):
         if step == self._step_seen:  # no optimizer step ended with this batch (gradients accumulating)
             return
         self._step_seen = step
-        if step % (self.log_every_n_steps or max(trainer.log_every_n_steps, 1)):
-            return
         stats = trainer.strategy.compressor.stats()
         metrics = step_metrics(stats)
-        histograms = tensor_histograms(stats) if self.histograms else {}
-        log_to_loggers(trainer.loggers, metrics, histograms, step)
-        # float64: byte counts stay exact
+        # every step, as ``self.log`` does: a monitor reading them at an epoch's end must find them however few
+        # steps the epoch has; float64 keeps byte counts exact
         trainer.callback_metrics.update({name: torch.tensor(value, dtype=torch.float64)
                                          for name, value in metrics.items()})
+        if step % (self.log_every_n_steps or max(trainer.log_every_n_steps, 1)):
+            return
+        histograms = tensor_histograms(stats) if self.histograms else {}
+        log_to_loggers(trainer.loggers, metrics, histograms, step)
