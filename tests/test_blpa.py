@@ -82,6 +82,35 @@ def test_parameter_gradients_are_within_the_stated_tolerance(bits):
     assert errors["10.bias"] == 0  # the last layer's bias gradient needs no activation
 
 
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_autocast_backward_runs_the_layer_as_the_forward_did(memory_format):
+    """Under bfloat16 autocast the forward's layer read bfloat16 copies of its input and weight; the backward re-runs
+    it under the same autocast state (it raised "Input type (BFloat16) and bias type (float)" without it)."""
+    reference, fused = _fused_pair(8)
+    x = torch.randn(32, 3, 12, 12).contiguous(memory_format=memory_format)
+    for model in (reference, fused):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().sum().backward()
+    assert out.dtype == torch.bfloat16
+    for (name, a), b in zip(reference.named_parameters(), fused.parameters()):
+        assert b.grad.dtype == a.grad.dtype == torch.float32
+        assert ((a.grad - b.grad).norm() / a.grad.norm()).item() < TOLERANCE[8], name
+
+
+def test_float64_blocks_keep_float64_gradients():
+    reference, fused = _fused_pair(8)
+    reference.double()
+    fused.double()
+    x = torch.randn(32, 3, 12, 12, dtype=torch.float64, requires_grad=True)
+    x_fused = x.detach().clone().requires_grad_()
+    reference(x).square().sum().backward()
+    fused(x_fused).square().sum().backward()
+    assert x_fused.grad.dtype == torch.float64
+    assert ((x.grad - x_fused.grad).norm() / x.grad.norm()).item() < TOLERANCE[8]
+    assert all(p.grad.dtype == torch.float64 for p in fused.parameters())
+
+
 def test_relu_backward_and_layer_bias_gradient_are_exact():
     torch.manual_seed(0)
     bn, conv = _scrambled_bn(nn.BatchNorm2d(6)), nn.Conv2d(6, 4, 3, padding=1)

@@ -73,6 +73,9 @@ class _BNReLULayer(torch.autograd.Function):
         gamma, beta = _gamma_beta(bn_weight, bn_bias, var)
         codes = sign_preserving_codes(a2.float(), gamma, beta, bits)
         ctx.block, ctx.shape, ctx.dtype, ctx.batch_stats = block, a2.shape, a2.dtype, batch_stats
+        ctx.input_dtype = x.dtype
+        device = x.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(pack_codes(codes.reshape(-1), bits), (var + bn.eps).rsqrt(), bn_weight, bn_bias,
                               layer_weight, layer_bias)
         return out
@@ -84,7 +87,9 @@ class _BNReLULayer(torch.autograd.Function):
         codes = unpack_codes(packed, block.bits, shape.numel()).view(shape)
         gamma, beta = _gamma_beta(bn_weight, bn_bias, invstd)
         a2, positive = decode_codes(codes, gamma, beta, block.bits)
-        with torch.enable_grad():  # the layer's own backward, on the rebuilt ReLU output
+        device, autocast, autocast_dtype = ctx.autocast
+        # the layer's own backward, on the rebuilt ReLU output, under the forward's autocast state (the same casts)
+        with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
             a3 = torch.relu(a2).to(ctx.dtype).requires_grad_()
             weight = layer_weight.detach().requires_grad_()
             bias = layer_bias.detach().requires_grad_() if layer_bias is not None else None
@@ -102,7 +107,7 @@ class _BNReLULayer(torch.autograd.Function):
         grad_a1 = grad_a2 * gamma_c
         if ctx.batch_stats:
             grad_a1 = grad_a1 - grad_a1.mean(dims, keepdim=True) - a1 * (grad_a1 * a1).mean(dims, keepdim=True)
-        grad_x = (grad_a1 * invstd_c).to(ctx.dtype)
+        grad_x = (grad_a1 * invstd_c).to(ctx.input_dtype)
         if grad_gamma is not None:
             grad_gamma, grad_beta = grad_gamma.to(bn_weight.dtype), grad_beta.to(bn_bias.dtype)
         return grad_x, grad_gamma, grad_beta, grad_weight, grad_bias, None
