@@ -18,7 +18,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from . import module_tree
+from . import module_tree, optrack
+from .codecs import op_rules
+from .codecs.base import Codec
 from .engine import ActivationCompressor, active_compressor
 
 
@@ -26,12 +28,25 @@ def checkpoint(function: Callable, *args: Any, compressor: ActivationCompressor 
                preserve_rng_state: bool = True, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` and recompute it in backward, compressing inputs and recomputed
     tensors with ``compressor`` (default: the one whose ``compress()`` is active; without one, a plain
-    recomputing checkpoint). Tensor arguments are saved; keyword arguments are kept as they are."""
+    recomputing checkpoint). Tensor arguments are saved: those that carry a gradient compressed, float ones without
+    (attention masks, position tables) exact; keyword arguments are kept as they are."""
     compressor = compressor if compressor is not None else active_compressor()
     run = functools.partial(function, **kwargs) if kwargs else function
     # an empty leaf that requires grad keeps the segment in the graph when no input requires grad
     anchor = torch.empty(0, requires_grad=True)
-    return _CompressedCheckpoint.apply(run, compressor, preserve_rng_state, anchor, *args)
+    with optrack.reported_call(checkpoint, args, kwargs):  # the inputs' op rule: _segment_input_rule
+        return _CompressedCheckpoint.apply(run, compressor, preserve_rng_state, anchor, *args)
+
+
+def _segment_input_rule(t: torch.Tensor, call: optrack.FunctionCall) -> Codec | None:
+    # A segment's float inputs without a gradient are what the model hands every layer: an additive attention mask
+    # (0 and the dtype's most negative value, which a lossy codec turns into NaN or into large errors on its zeros:
+    # GPT-2's blocks under DIVISION trained on NaN) or position tables (rotary phases). Kept exact: one storage,
+    # stored once for all the layers that take it.
+    return op_rules.KEPT_EXACT if t.is_floating_point() and not t.requires_grad else None
+
+
+op_rules.register_op_rule((checkpoint,), _segment_input_rule, gradient=True)
 
 
 class _CompressedCheckpoint(torch.autograd.Function):
@@ -51,8 +66,8 @@ class _CompressedCheckpoint(torch.autograd.Function):
     def backward(ctx, *grads):
         args = list(ctx.args)
         inputs = []
-        for position, saved, needs in zip(ctx.tensor_positions, ctx.saved_tensors, ctx.needs_input_grad[4:]):
-            args[position] = saved.detach().requires_grad_(needs)
+        for position, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
+            args[position] = saved.detach().requires_grad_(ctx.needs_input_grad[4 + position])
             inputs.append(args[position])
         with _restored_rng(ctx.rng), _autocast(ctx.autocast), torch.enable_grad():
             recompute = ctx.compressor.recompute(ctx.step) if ctx.step is not None else contextlib.nullcontext()

@@ -17,10 +17,11 @@ last one exits, an attribute someone else replaced meanwhile left as it is.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,22 @@ def _wrapper(func: Callable) -> Callable:
 
     setattr(tracked, _ORIGINAL, func)
     return tracked
+
+
+@contextlib.contextmanager
+def reported_call(func: Callable, args: tuple, kwargs: dict) -> Iterator[None]:
+    """Report a call of ``func`` to this thread's tracker while the block runs, as ``func``'s wrapper would, for
+    calls through a reference the tracker cannot replace (HuggingFace layers hold the checkpoint function they
+    were handed). Nothing happens without a tracker or inside a tracked call."""
+    tracker = getattr(_THREAD, "tracker", None)
+    if tracker is None or tracker.current is not None:
+        yield
+        return
+    tracker.current = FunctionCall(original(func), args, kwargs)  # (a name looked up now may be its wrapper)
+    try:
+        yield
+    finally:
+        tracker.current = None
 
 
 # The namespaces code looks torch functions up in (besides ``torch.Tensor`` and a function's own module)
