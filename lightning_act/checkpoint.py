@@ -16,6 +16,7 @@ import functools
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from . import module_tree, optrack
@@ -40,13 +41,17 @@ def checkpoint(function: Callable, *args: Any, compressor: ActivationCompressor 
 
 def _segment_input_rule(t: torch.Tensor, call: optrack.FunctionCall) -> Codec | None:
     # A segment's float inputs without a gradient are what the model hands every layer: an additive attention mask
-    # (0 and the dtype's most negative value, which a lossy codec turns into NaN or into large errors on its zeros:
-    # GPT-2's blocks under DIVISION trained on NaN) or position tables (rotary phases). Kept exact: one storage,
-    # stored once for all the layers that take it.
+    # (0 and the dtype's most negative value or -inf, which a lossy codec turns into NaN or into large errors on its
+    # zeros: GPT-2's blocks under DIVISION, a -inf mask under quantize, trained on NaN) or position tables (rotary
+    # phases). Kept exact: one storage, stored once for all the layers that take it.
     return op_rules.KEPT_EXACT if t.is_floating_point() and not t.requires_grad else None
 
 
-op_rules.register_op_rule((checkpoint,), _segment_input_rule, gradient=True)
+# PyTorch's non-reentrant checkpoint saves its positional inputs through the compressor in this method (its
+# reentrant one, in its Function's apply, is not tracked)
+_TORCH_SAVE_INPUTS = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)
+op_rules.register_op_rule((checkpoint,) + ((_TORCH_SAVE_INPUTS,) if _TORCH_SAVE_INPUTS else ()),
+                          _segment_input_rule, gradient=True)
 
 
 class _CompressedCheckpoint(torch.autograd.Function):

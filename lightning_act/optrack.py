@@ -86,12 +86,19 @@ LOOKUP_MODULES = (F, torch, torch.linalg, torch.special)
 
 
 def patch_sites(func: Callable) -> list[tuple[object, str]]:
-    """Where code looks ``func`` up: ``(owner, name)`` in ``LOOKUP_MODULES``, ``torch.Tensor`` and the function's own
-    module whose attribute is ``func`` (aliases included: ``F.conv2d`` is ``torch.conv2d``)."""
+    """Where code looks ``func`` up: ``(owner, name)`` in ``LOOKUP_MODULES``, ``torch.Tensor``, the function's own
+    module and, for a method, its class there, whose attribute is ``func`` (aliases included: ``F.conv2d`` is
+    ``torch.conv2d``)."""
     owners = list(LOOKUP_MODULES)
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     if module is not None and module not in owners:
         owners.append(module)
+        # a method: the class of its module that defines it (torch.utils.checkpoint's _CheckpointFrame.save_inputs)
+        owner = module
+        for part in getattr(func, "__qualname__", "").split(".")[:-1]:
+            owner = vars(owner).get(part) if isinstance(owner, type) or owner is module else None
+        if isinstance(owner, type):
+            owners.append(owner)
     # a module's own dict (its attribute lookup could import a lazy submodule); a class's attributes, inherited
     # ones included (Tensor.relu is TensorBase's)
     sites = [(owner, name) for owner in owners for name, value in list(vars(owner).items())

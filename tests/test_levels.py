@@ -5,9 +5,11 @@ import inspect
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import lightning_act as act
+from lightning_act import optrack
 from lightning_act.checkpoint import _checkpointing_layer, checkpoint
 from lightning_act.nn.attention import chunked_attention, use_chunked_attention
 from lightning_act.stats import COMPRESSED
@@ -134,22 +136,30 @@ def _masked_attention(project: nn.Linear, h: torch.Tensor, mask: torch.Tensor) -
     return ((q @ k.transpose(-1, -2)).unsqueeze(1) + mask).softmax(-1) @ v.unsqueeze(1)
 
 
+def _torch_checkpoint(function, *args):
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+
+
 # fine settings of each codec: the recomputed attention of a random segment amplifies coarse ones' errors
 @pytest.mark.parametrize("codec", [dict(codec="division", codec_options={"bits": 8}), dict(bits=8, adaptive=False),
                                    dict(codec="lorenzo", error_bound=1e-3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segment_inputs_without_gradient_are_kept_exact(codec, dtype):
+@pytest.mark.parametrize("fill", ["finfo.min", "-inf"])
+@pytest.mark.parametrize("segment", [checkpoint, _torch_checkpoint], ids=["lightning_act", "torch"])
+def test_segment_inputs_without_gradient_are_kept_exact(codec, dtype, fill, segment):
     """An additive attention mask handed to a segment (0 and the dtype's most negative value, as HuggingFace builds
-    it) is kept exact: under DIVISION its block means overflowed and every gradient was NaN (GPT-2 at CB2). The
-    hidden state, which carries a gradient, is still compressed."""
+    it, or -inf) is kept exact, in this package's checkpoint and PyTorch's non-reentrant one: under DIVISION its
+    block means overflowed and every gradient was NaN (GPT-2 at CB2), under quantize a group holding -inf decoded
+    to NaN. The hidden state, which carries a gradient, is still compressed."""
     torch.manual_seed(0)
     project = nn.Linear(32, 96).to(dtype)
     x = torch.randn(4, 64, 32, dtype=dtype, requires_grad=True)
-    mask = torch.full((4, 1, 64, 64), torch.finfo(dtype).min, dtype=dtype).triu(1)
+    value = torch.finfo(dtype).min if fill == "finfo.min" else float(fill)
+    mask = torch.full((4, 1, 64, 64), value, dtype=dtype).triu(1)
     compressor = act.ActivationCompressor(project, act.ACTConfig(min_numel=0, **codec))
     with compressor.compress():
         h = x * 2  # an activation (a leaf requiring grad counts as a parameter)
-        out = checkpoint(_masked_attention, project, h, mask)  # a module before the tensors: positions matter
+        out = segment(_masked_attention, project, h, mask)  # a module before the tensors: positions matter
     out.float().square().sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(project.weight.grad).all()
     saved = {r.shape: r for r in compressor.stats().records if r.phase == "forward"}
@@ -157,6 +167,8 @@ def test_segment_inputs_without_gradient_are_kept_exact(codec, dtype):
     assert saved[h.shape].codec == compressor.config.codec
     expected = torch.autograd.grad(_masked_attention(project, x * 2, mask).float().square().sum(), x)[0]
     assert cosine(expected.flatten().float(), x.grad.flatten().float()) > 0.95
+    assert vars(torch.utils.checkpoint._CheckpointFrame)["save_inputs"] is optrack.original(
+        torch.utils.checkpoint._CheckpointFrame.save_inputs)  # the tracker's wrapper is gone with the step
 
 
 def test_gpt2_at_cb2_under_division_trains_on_finite_gradients():
