@@ -21,7 +21,6 @@ from torch import nn
 
 from . import module_tree, optrack
 from .codecs import op_rules
-from .codecs.base import Codec
 from .engine import ActivationCompressor, active_compressor
 
 
@@ -29,8 +28,8 @@ def checkpoint(function: Callable, *args: Any, compressor: ActivationCompressor 
                preserve_rng_state: bool = True, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` and recompute it in backward, compressing inputs and recomputed
     tensors with ``compressor`` (default: the one whose ``compress()`` is active; without one, a plain
-    recomputing checkpoint). Tensor arguments are saved: those that carry a gradient compressed, float ones without
-    (attention masks, position tables) exact; keyword arguments are kept as they are."""
+    recomputing checkpoint). Tensor arguments are saved and compressed (float ones without a gradient, such as
+    attention masks, on quantize's grid with their -inf kept); keyword arguments are kept as they are."""
     compressor = compressor if compressor is not None else active_compressor()
     run = functools.partial(function, **kwargs) if kwargs else function
     # an empty leaf that requires grad keeps the segment in the graph when no input requires grad
@@ -39,12 +38,16 @@ def checkpoint(function: Callable, *args: Any, compressor: ActivationCompressor 
         return _CompressedCheckpoint.apply(run, compressor, preserve_rng_state, anchor, *args)
 
 
-def _segment_input_rule(t: torch.Tensor, call: optrack.FunctionCall) -> Codec | None:
-    # A segment's float inputs without a gradient are what the model hands every layer: an additive attention mask
-    # (0 and the dtype's most negative value or -inf, which a lossy codec turns into NaN or into large errors on its
-    # zeros: GPT-2's blocks under DIVISION, a -inf mask under quantize, trained on NaN) or position tables (rotary
-    # phases). Kept exact: one storage, stored once for all the layers that take it.
-    return op_rules.KEPT_EXACT if t.is_floating_point() and not t.requires_grad else None
+# A segment's float inputs without a gradient are the data and what a model hands every layer: an additive attention
+# mask (0 and the dtype's most negative value, or -inf) or position tables. DIVISION's block means overflow on
+# finfo.min and quantize's groups holding -inf decode to NaN: GPT-2's blocks at CB2 under division, and a block
+# checkpointed by torch with a -inf mask at the default L1, trained on NaN gradients. They go on quantize's grid
+# (whose group ends are exact: a mask's 0 and finfo.min come back as they were) with their -inf masked at 1 bit.
+_SEGMENT_INPUT = op_rules.MinimumBits(0, in_range=True, infinities=True)
+
+
+def _segment_input_rule(t: torch.Tensor, call: optrack.FunctionCall) -> op_rules.MinimumBits | None:
+    return _SEGMENT_INPUT if t.is_floating_point() and not t.requires_grad else None
 
 
 # PyTorch's non-reentrant checkpoint saves its positional inputs through the compressor in this method (its

@@ -21,6 +21,7 @@ from . import codecs, module_tree, rng
 from ._validate import check_type
 from .codecs import op_rules
 from .codecs.base import Codec, Packed
+from .codecs.negative_infinity import NegativeInfinityMask
 from .config import ACTConfig, resolve_config
 from .optrack import FunctionTracker
 from .side_stream import SideStreamEncoder
@@ -438,6 +439,7 @@ class ActivationCompressor:
         self.model = model
         self.config = resolve_config(config)
         self._codecs: dict[tuple[str, int | None], Codec] = {}
+        self._infinity_masks: dict[Codec, Codec] = {}  # codec -> it with a -inf mask (_negative_infinity_mask)
         self._rule_codecs: dict[int, tuple[Codec, Codec]] = {}  # id -> (op rule's codec, on the config's backend)
         # Installed policies (install_policy), oldest first; _policies: each slot's value from the newest of them.
         self._policy_handles: list[PolicyHandle] = []
@@ -525,7 +527,7 @@ class ActivationCompressor:
         about that tensor, which may then count what will be stored (auto-precision does)."""
         step = getattr(self._thread, "step", None)
         floor = step.floors.get(index) if step is not None else None
-        return floor.bits if floor is not None else None
+        return floor.bits if floor is not None and floor.bits else None  # (0: a floor of range or infinities only)
 
     def stats(self) -> CompressionStats:
         """Statistics of this thread's last completed ``compress()`` step (of any thread's, when this one ran
@@ -611,7 +613,7 @@ class ActivationCompressor:
             bits = policies["bits"](index, t) if policies["bits"] is not None else None
             codec = self.codec(self.config.codec, bits)
         if minimum_bits is not None and not _holds_bits(codec, minimum_bits, in_range):
-            return self.codec(codec.name if "bits" in codec.config_fields else "quantize", minimum_bits)
+            return self.codec(codec.name if "bits" in codec.config_fields else "quantize", minimum_bits or None)
         return codec
 
     def noise_key(self, index: int, step: "_Step | None" = None) -> int:
@@ -635,6 +637,14 @@ class ActivationCompressor:
                 options["bits"] = bits
             codec = self._codecs[key] = codecs.get(name, **options)
         return codec
+
+    def _negative_infinity_mask(self, codec: Codec) -> Codec:
+        """``codec`` with the ``-inf`` of its input masked at 1 bit (an op rule's ``MinimumBits(infinities=True)``),
+        built once per codec."""
+        masked = self._infinity_masks.get(codec)
+        if masked is None:
+            masked = self._infinity_masks[codec] = NegativeInfinityMask(codec, self.config.backend)
+        return masked
 
     def _on_config_backend(self, codec: Codec) -> Codec:
         """``codec`` (an op rule's choice: the rules hand out shared instances) on this compressor's ``backend``,
@@ -805,7 +815,7 @@ class ActivationCompressor:
                 return self.codec("none"), ""  # swap the uncompressed tensor
             return None, "codec 'none'"
         codec = minimum_bits = None
-        in_range = False
+        in_range = infinities = False
         tracker = step.tracker
         if tracker is not None and numel >= config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly, or ask for precision
@@ -815,7 +825,7 @@ class ActivationCompressor:
                 codec = rule(t, call)
                 if type(codec) is op_rules.MinimumBits:
                     step.floors[index] = codec
-                    codec, minimum_bits, in_range = None, codec.bits, codec.in_range
+                    codec, minimum_bits, in_range, infinities = None, codec.bits, codec.in_range, codec.infinities
                 elif codec is not None and codec.backend != config.backend:
                     codec = self._on_config_backend(codec)
         dtype = t.dtype
@@ -828,6 +838,8 @@ class ActivationCompressor:
             if numel < max(config.min_numel, 1):
                 return None, f"fewer than min_numel={config.min_numel} elements"
             codec = self.codec_for(index, t, minimum_bits, in_range)
+            if infinities and not (codec.lossless or codec.keeps_infinities):
+                codec = self._negative_infinity_mask(codec)
         if codec.dtypes is not None and dtype not in codec.dtypes:
             # a dtype the codec cannot take is kept exactly, never an error inside autograd's hook
             return None, f"{dtype} not taken by codec {codec.name!r}"

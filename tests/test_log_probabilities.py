@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import lightning_act as act
 from lightning_act.codecs import op_rules
 from lightning_act.codecs.op_rules import LOG_PROBABILITY_BITS, MinimumBits
+from lightning_act.optrack import FunctionCall
 
 LOG_SOFTMAX_CALLS = {
     "F.log_softmax": lambda z: F.log_softmax(z, dim=-1),
@@ -145,5 +146,12 @@ def test_per_pixel_log_probabilities_of_a_convolution_in_either_layout(loss, mem
 
 
 def test_minimum_bits_is_a_rule_answer_for_any_registered_function():
-    assert op_rules.OP_RULES[F.log_softmax](torch.zeros(2, 2), None) == MinimumBits(LOG_PROBABILITY_BITS)
+    logits = torch.nn.functional.linear(torch.zeros(2, 3, requires_grad=True), torch.zeros(4, 3)).float().view(2, 4)
+    masked = logits.masked_fill(torch.eye(2, 4, dtype=torch.bool), float("-inf"))
+    rule = op_rules.OP_RULES[F.log_softmax]
+    # a matrix product's output holds no mask's -inf; other logits may: their -inf kept at 1 bit more
+    assert rule(torch.zeros(2, 4), FunctionCall(F.log_softmax, (logits, -1), {})) == MinimumBits(LOG_PROBABILITY_BITS)
+    assert rule(torch.zeros(2, 4), FunctionCall(F.log_softmax, (masked, -1), {})) == MinimumBits(
+        LOG_PROBABILITY_BITS, infinities=True)
+    assert rule(torch.zeros(2, 4), FunctionCall(F.log_softmax, (), {"input": torch.zeros(2, 4)})).infinities
     assert op_rules.OP_RULES[F.cross_entropy](torch.zeros(2, dtype=torch.int64), None) is None

@@ -249,6 +249,30 @@ def test_mask_codec_cuda_paths_never_read_a_device_value_on_the_host(runner, cod
     assert_same_bits(decoded, reference().decode(reference().encode(x, key=5)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.toolchain
+@requires_gxx
+def test_negative_infinity_mask_cuda_path_never_reads_a_device_value_on_the_host(runner, dtype):
+    """The log-probability rules' wrapper around quantize (``-inf`` masked at 1 bit, values by chunks of whole
+    groups) through the quantize and bitmask kernels, under the guard: each chunk's form one allocation, kept as
+    its bytes and rebuilt on decode; the same bits as the torch path."""
+    from lightning_act.codecs.negative_infinity import NegativeInfinityMask
+
+    x = torch.nan_to_num(_data(dtype), nan=0.0, posinf=3.0, neginf=-3.0)
+    x = x.masked_fill(x > 1, float("-inf"))
+    runner.launches.clear()
+    with use_runner(runner), no_host_reads():
+        kernels = NegativeInfinityMask(act.codecs.get("quantize", bits=4, backend="cupy"), backend="cupy")
+        packed = kernels.encode(x, key=5)
+        nbytes = packed.nbytes
+        decoded = kernels.decode(packed)
+    assert {launch[1] for launch in runner.launches} >= {"mask_encode", "mask_decode"}
+    assert len(runner.launches) > 2 and nbytes == sum(b.numel() * b.element_size() for b in packed.buffers.values())
+    reference = NegativeInfinityMask(act.codecs.get("quantize", bits=4, backend="torch"), backend="torch")
+    assert_same_bits(decoded, reference.decode(reference.encode(x, key=5)))
+    assert torch.equal(decoded == float("-inf"), x == float("-inf"))
+
+
 @pytest.mark.toolchain
 @requires_gxx
 def test_checked_scaled_mask_reads_its_verdict_on_the_host(runner):

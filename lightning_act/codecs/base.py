@@ -79,6 +79,10 @@ class Codec(ABC):
     # (``op_rules.MinimumBits(in_range=True)``). Quantize's grid does; division's residuals and lorenzo's zeros
     # under its bound do not.
     keeps_range: ClassVar[bool] = False
+    # Whether -inf and +inf decode as themselves (lossless codecs' do; lorenzo stores them raw): what a masked
+    # logit's log-softmax saves needs it (``op_rules.MinimumBits(infinities=True)``). Quantize's and division's
+    # grids turn a group or plane holding one into NaN.
+    keeps_infinities: ClassVar[bool] = False
     # Whether the codec stores any tensor of its dtypes, so that ``ACTConfig.codec`` may name it. False: it holds
     # only what one op saves (a ReLU output's signs, dropout noise, max-pool indices, a bool mask) and is chosen
     # by that op's rule: as the codec of every activation it would silently store the wrong values.

@@ -27,6 +27,7 @@ class LorenzoCodec(Codec):
     config_fields = ("error_bound", "backend")
     side_stream_safe = False  # the lazy trim reads sizes by events recorded on the stream the encode ran on
     shrinks_later = True  # the lazy trim
+    keeps_infinities = True  # non-finite values are escapes, stored raw
 
     def __init__(self, error_bound: float | None = None, backend: str = "auto"):
         self.error_bound = error_bound

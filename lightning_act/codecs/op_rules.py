@@ -26,10 +26,14 @@ class MinimumBits(NamedTuple):
     configured one, a policy's), at ``bits`` per element or more. Lossless and error-bounded codecs stand as they
     are; a quantizing codec below ``bits`` runs at ``bits``; another lossy codec (division) gives way to quantize at
     ``bits``. ``in_range``: the codec must also keep each value within its group's range (``Codec.keeps_range``),
-    so an error-bounded one gives way to quantize too."""
+    so an error-bounded one gives way to quantize too (at ``bits``, or quantize's default for ``bits=0``, which
+    asks for no precision, only the flags). ``infinities``: the tensor may hold ``-inf`` (masked
+    logits), which the codec must bring back: one that does not (``Codec.keeps_infinities``) runs inside a
+    :class:`~lightning_act.codecs.negative_infinity.NegativeInfinityMask`."""
 
     bits: int
     in_range: bool = False
+    infinities: bool = False
 
 
 OpRule = Callable[[torch.Tensor, FunctionCall], Optional[Union[Codec, MinimumBits]]]
@@ -108,10 +112,42 @@ def codec_for_call(call: FunctionCall | None, t: torch.Tensor) -> Codec | Minimu
 # logsumexp's backward is grad * exp(input - out): both its saved input and output.
 LOG_PROBABILITY_BITS = 8
 _LOG_PROBABILITIES = MinimumBits(LOG_PROBABILITY_BITS)
+# Masked logits (-inf: invalid-action masking, constrained vocabularies) reach these functions too: their
+# log-probabilities, log-sum-exp and its input hold -inf there, which quantize and division store as NaN (NaN
+# gradients at the default L1). Their -inf then cost a 1-bit mask (negative_infinity.py), paid unless the logits
+# are a matrix product's output (a language model's head: most of these tensors, and the largest).
+_LOG_PROBABILITIES_MASKED = MinimumBits(LOG_PROBABILITY_BITS, infinities=True)
+# autograd nodes that move, cast or reshape their input without computing new values, and the products whose
+# finite inputs give finite (or overflowed, already NaN-bound) outputs
+_SHAPE_ONLY_NODES = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "CloneBackward0",
+    "TransposeBackward0", "TBackward0", "PermuteBackward0", "SliceBackward0", "SelectBackward0", "ExpandBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0", "AliasBackward0"})
+_PRODUCT_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "MvBackward0",
+                            "ConvolutionBackward0", "LinearBackward0"})
+
+
+def _product_output(x) -> bool:
+    """Whether ``x`` is a matrix product's or a convolution's output, moved, cast or reshaped at most: values
+    with no -inf (a mask's) in them. Read from its autograd history only: no device value."""
+    fn = getattr(x, "grad_fn", None)
+    for _ in range(8):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name in _PRODUCT_NODES:
+            return True
+        if name not in _SHAPE_ONLY_NODES or not fn.next_functions:
+            return False
+        fn = fn.next_functions[0][0]
+    return False
 
 
 def _log_probabilities_rule(t: torch.Tensor, call: FunctionCall) -> MinimumBits | None:
-    return _LOG_PROBABILITIES if t.is_floating_point() else None
+    if not t.is_floating_point():
+        return None
+    logits = call.args[0] if call.args else call.kwargs.get("input")
+    return _LOG_PROBABILITIES if _product_output(logits) else _LOG_PROBABILITIES_MASKED
 
 
 register_op_rule((torch.nn.functional.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,

@@ -59,6 +59,10 @@ class QuantizeCodec(Codec):
         self._kernels = QuantizeKernels(bits, group_size, self.stats_dtype, seed) if self._kernels_take_format else None
         self._meta = {"bits": bits, "group_size": group_size}  # every encoded form's (read only)
 
+    @property
+    def keeps_infinities(self) -> bool:
+        return self.bits >= 16  # the bfloat16 cast and the raw form do; a group on the grid holding one is NaN
+
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         check_float_input(self.name, x)
         if self.bits == 32 or (self.bits == 16 and x.element_size() == 2):

@@ -1,0 +1,82 @@
+"""``NegativeInfinityMask``: a lossy codec for tensors that may hold ``-inf`` (masked logits and what a
+log-softmax or a log-sum-exp of them saves), plus a 1-bit mask of where they do.
+
+Quantize and division store a group or a plane holding ``-inf`` as NaN (their grids span finite ranges), so
+``log_softmax(logits.masked_fill(mask, -inf))``, a ``cross_entropy`` or a ``Categorical(logits=...)`` over masked
+logits (invalid-action masking) trained on NaN gradients. Here the inner codec stores the values with each
+``-inf`` replaced by 0 and the mask brings the ``-inf`` back on decode: exact where they were, the inner codec's
+error elsewhere (0 may widen a group's range: log-probabilities lie below it, logits around it).
+
+The tensor is processed by chunks of whole inner groups (the quantize format's chunk size), each an encoded form
+of its own, so the stand-in copy stays one chunk long: the log-probabilities of a language model's vocabulary,
+saved at the forward's peak, never cost a second full copy. ``+inf`` and NaN stay as the inner codec stores them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..cuda.launcher import OneBuffer
+from ..formats.quantize import chunk_elements
+from .base import Codec, Packed
+from .bitmask import BitmaskCodec
+
+_MASK = "neginf"
+
+
+class NegativeInfinityMask(Codec):
+    """``inner`` on the values with ``-inf`` replaced by 0, and a 1-bit mask of the ``-inf`` (under the inner
+    codec's name in the statistics, one bit more per element). Built by the engine for the tensors of an op rule's
+    ``MinimumBits(infinities=True)`` whose codec does not keep infinities (``Codec.keeps_infinities``)."""
+
+    general = False  # chosen by the op rules, around the configured codec
+    keeps_infinities = True
+
+    def __init__(self, inner: Codec, backend: str = "auto"):
+        self.inner, self.backend = inner, backend
+        # the inner codec's name: a storage saved by it elsewhere (a log-softmax's output that nll_loss saves again)
+        # is the same form, stored once
+        self.name = inner.name
+        self.dtypes, self.keeps_range, self.error_bound = inner.dtypes, inner.keeps_range, inner.error_bound
+        self.side_stream_safe = inner.side_stream_safe
+        self.bits = getattr(inner, "bits", None)
+        self._mask = BitmaskCodec(backend)
+        # chunks of whole inner groups and whole mask bytes
+        self._unit = 8 * getattr(inner, "group_size", 1)
+
+    def _spans(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
+        step = max(self._unit, chunk_elements(device) // self._unit * self._unit)
+        return [(start, min(numel, start + step)) for start in range(0, numel, step)]
+
+    def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
+        flat = x.reshape(-1)
+        negative = flat == float("-inf")
+        buffers = {_MASK: self._mask.encode(negative).buffers["bits"]}
+        forms = []
+        for i, (start, end) in enumerate(self._spans(flat.numel(), x.device)):
+            # (a chunk's own copy: an inner form may keep what it was given, as quantize's raw forms do)
+            form = self.inner.encode(flat[start:end].masked_fill(negative[start:end], 0.0), key=key ^ i)
+            forms.append((start, end, form))
+            parts = form.buffers
+            if type(parts) is OneBuffer:
+                buffers[f"{i}"] = parts.data
+            else:
+                buffers.update((f"{i}/{name}", part) for name, part in parts.items())
+        # per form: its span, its OneBuffer's layout or its buffers' names, its meta
+        meta = {"forms": [(start, end, *((f.buffers.layout, None) if type(f.buffers) is OneBuffer else
+                                         (None, tuple(f.buffers))), f.meta) for start, end, f in forms]}
+        return Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        buffers = packed.buffers
+        out = torch.empty(packed.numel, dtype=packed.dtype, device=packed.device)
+        for i, (start, end, layout, names, meta) in enumerate(packed.meta["forms"]):
+            parts = OneBuffer(buffers[f"{i}"], layout) if layout is not None else \
+                {name: buffers[f"{i}/{name}"] for name in names}
+            form = Packed(self.inner.name, torch.Size((end - start,)), packed.dtype, packed.device, parts, meta)
+            out[start:end] = self.inner.decode(form).reshape(-1)
+        mask = self._mask.decode(Packed(_MASK, torch.Size((packed.numel,)), torch.bool, packed.device,
+                                        {"bits": buffers[_MASK]}))
+        return out.masked_fill_(mask, float("-inf")).view(packed.shape)
+
+    def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
+        return self.inner.bits_per_element(x) + 1.0
