@@ -74,7 +74,8 @@ class ACTConfig:
             and attention masks) and ReLU outputs at 1 bit, max-pool indices in the fewest bits of the window.
             These choices come from the op rules (:mod:`lightning_act.codecs.op_rules`); ``False`` turns these
             off and tracks only the functions of the rules that keep gradients right (values a backward compares
-            or divides by kept exact, log-probabilities at 8 bits or more), which apply either way.
+            or divides by kept exact, log-probabilities at 8 bits or more, SDPA's padding masks and log-sum-exp
+            stored losslessly, masked logits' -inf kept), which apply either way.
         blpa_bits: ``4`` or ``8`` replaces each BatchNorm -> ReLU -> Conv/Linear run of ``nn.Sequential``
             children by BLPA's block (exact forward, ``blpa_bits`` sign-preserving codes for backward) when the
             compressor is built; ``None`` (default) leaves the model as it is.

@@ -294,19 +294,23 @@ def _sdpa_grads(compressor, q, k, v, mask, dropout_p):
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
-def test_sdpa_padding_mask_and_dropout_noise_are_stored_losslessly(dropout_p):
+@pytest.mark.parametrize("config", [dict(bits=8, adaptive=False), dict(codec="division", compress_masks=False)],
+                         ids=["8-bit", "division, masks off"])
+def test_sdpa_padding_mask_and_dropout_noise_are_stored_losslessly(dropout_p, config):
     """CPU SDPA saves a padding mask as a float tensor holding -inf (flash path) and its dropout noise (math path):
-    quantized, a group holding -inf decodes to NaN (the format's rule), which made every gradient NaN."""
+    quantized, a group holding -inf decodes to NaN (the format's rule), which made every gradient NaN. The rule
+    keeps gradients right, so it applies with ``compress_masks=False`` too (a padded GPT-2 under DIVISION trained on
+    NaN there)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(4, 2, 64, 16) for _ in range(3))
     mask = torch.ones(4, 1, 64, 64, dtype=torch.bool)
     mask[0, ..., 40:] = False
-    compressor = act.ActivationCompressor(None, act.ACTConfig(bits=8, adaptive=False))
+    compressor = act.ActivationCompressor(None, act.ACTConfig(**config))
     grads = _sdpa_grads(compressor, q, k, v, mask, dropout_p)
     assert all(torch.isfinite(g).all() for g in grads)
     exact = _sdpa_grads(None, q, k, v, mask, dropout_p)
-    for g, e in zip(grads, exact):
-        assert F.cosine_similarity(g.flatten(), e.flatten(), dim=0) > 0.99
+    for g, e in zip(grads, exact):  # (DIVISION's own error on the attention's saved probabilities: 0.37-0.95)
+        assert F.cosine_similarity(g.flatten(), e.flatten(), dim=0) > (0.99 if "bits" in config else 0.3)
     records = [r for r in compressor.stats().records if r.kind == COMPRESSED]
     assert any(r.codec == "scaled_mask" and r.bits == 1.0 and tuple(r.shape[-2:]) == (64, 64) for r in records)
     # the flash path's log-sum-exp (batch, heads, queries) is not scores-shaped: kept exact, no host read

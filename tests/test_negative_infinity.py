@@ -27,7 +27,7 @@ def _expected(inner, x, key, spans):
     for i, (start, end) in enumerate(spans):
         part = flat[start:end].masked_fill(flat[start:end] == float("-inf"), 0.0)
         out[start:end] = inner.decode(inner.encode(part, key=key ^ i))
-    return out.masked_fill_(flat == float("-inf"), float("-inf")).view(x.shape)
+    return out.masked_fill_(flat == float("-inf"), float("-inf")).view(x.shape)  # (-inf: the least masked value)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -46,6 +46,19 @@ def test_negative_infinities_come_back_and_the_rest_as_the_inner_codec_stores_it
     assert packed.nbytes == sum(b.numel() * b.element_size() for b in packed.buffers.values())
     assert codec.name == "quantize" and codec.bits == bits
     assert codec.bits_per_element(x) == inner.bits_per_element(x) + 1
+
+
+def test_float64_values_below_float32s_range_come_back_as_they_were():
+    """A float64 mask's finfo.min (HuggingFace's float64 masks) is -inf to the quantize format, which reads float32:
+    a group holding one decoded to NaN. Masked, it comes back as itself (not -inf: a fully masked row of finfo.min
+    is a uniform softmax, of -inf a NaN one)."""
+    x = torch.randn(4, 300, dtype=torch.float64).masked_fill(torch.eye(4, 300, dtype=torch.bool),
+                                                               torch.finfo(torch.float64).min)
+    codec = NegativeInfinityMask(act.codecs.get("quantize", bits=4, backend="torch"), backend="torch")
+    out = codec.decode(codec.encode(x, key=1))
+    extreme = x == torch.finfo(torch.float64).min
+    assert torch.equal(out[extreme], x[extreme]) and torch.isfinite(out).all()
+    assert (out[~extreme] - x[~extreme]).abs().max() < 1  # the 4-bit grid of randn groups
 
 
 def test_chunks_of_whole_groups_each_an_encoded_form(monkeypatch):

@@ -429,4 +429,6 @@ def _sdpa_rule(t: torch.Tensor, call) -> Codec | None:
     return _ONE_VALUE_OR_RAW if t.device.type == "cpu" else _KEPT_RAW
 
 
-op_rules.register_op_rule((F.scaled_dot_product_attention,), _sdpa_rule)
+# a gradient rule too: a lossy padding mask or log-sum-exp is a NaN or far-off gradient, so it applies with
+# compress_masks=False as well (its codecs are lossless either way)
+op_rules.register_op_rule((F.scaled_dot_product_attention,), _sdpa_rule, gradient=True)

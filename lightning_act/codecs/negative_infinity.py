@@ -1,11 +1,13 @@
 """``NegativeInfinityMask``: a lossy codec for tensors that may hold ``-inf`` (masked logits and what a
-log-softmax or a log-sum-exp of them saves), plus a 1-bit mask of where they do.
+log-softmax or a log-sum-exp of them saves, additive attention masks), plus a 1-bit mask of where they do.
 
 Quantize and division store a group or a plane holding ``-inf`` as NaN (their grids span finite ranges), so
 ``log_softmax(logits.masked_fill(mask, -inf))``, a ``cross_entropy`` or a ``Categorical(logits=...)`` over masked
 logits (invalid-action masking) trained on NaN gradients. Here the inner codec stores the values with each
 ``-inf`` replaced by 0 and the mask brings the ``-inf`` back on decode: exact where they were, the inner codec's
-error elsewhere (0 may widen a group's range: log-probabilities lie below it, logits around it).
+error elsewhere (0 may widen a group's range: log-probabilities lie below it, logits around it). A float64 tensor's
+values below float32's range (its ``finfo.min``, HuggingFace's float64 masks), which the quantize format reads as
+``-inf``, are masked too; the masked places decode to the least of them (one value: a mask's).
 
 The tensor is processed by chunks of whole inner groups (the quantize format's chunk size), each an encoded form
 of its own, so the stand-in copy stays one chunk long: the log-probabilities of a language model's vocabulary,
@@ -20,7 +22,9 @@ from ..formats.quantize import chunk_elements
 from .base import Codec, Packed
 from .bitmask import BitmaskCodec
 
-_MASK = "neginf"
+_MASK, _LEAST = "neginf", "least"
+# -inf, and the float64 values below float32's range (a float64 mask's finfo.min), which quantize reads as -inf
+_FLOAT32_LOWEST = -torch.finfo(torch.float32).max
 
 
 class NegativeInfinityMask(Codec):
@@ -49,12 +53,16 @@ class NegativeInfinityMask(Codec):
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         flat = x.reshape(-1)
-        negative = flat == float("-inf")
+        # (a float64 bound: in a 16-bit dtype the scalar itself would round to -inf)
+        negative = flat < _FLOAT32_LOWEST if x.dtype == torch.float64 else flat == float("-inf")
         buffers = {_MASK: self._mask.encode(negative).buffers["bits"]}
+        least = torch.full((1,), float("inf"), dtype=x.dtype, device=x.device)  # of the masked values
         forms = []
         for i, (start, end) in enumerate(self._spans(flat.numel(), x.device)):
+            part, masked = flat[start:end], negative[start:end]
+            torch.minimum(least, part.masked_fill(~masked, float("inf")).amin().reshape(1), out=least)
             # (a chunk's own copy: an inner form may keep what it was given, as quantize's raw forms do)
-            form = self.inner.encode(flat[start:end].masked_fill(negative[start:end], 0.0), key=key ^ i)
+            form = self.inner.encode(part.masked_fill(masked, 0.0), key=key ^ i)
             forms.append((start, end, form))
             parts = form.buffers
             if type(parts) is OneBuffer:
@@ -64,6 +72,7 @@ class NegativeInfinityMask(Codec):
         # per form: its span, its OneBuffer's layout or its buffers' names, its meta
         meta = {"forms": [(start, end, *((f.buffers.layout, None) if type(f.buffers) is OneBuffer else
                                          (None, tuple(f.buffers))), f.meta) for start, end, f in forms]}
+        buffers[_LEAST] = least
         return Packed(self.name, x.shape, x.dtype, x.device, buffers, meta)
 
     def decode(self, packed: Packed) -> torch.Tensor:
@@ -76,7 +85,8 @@ class NegativeInfinityMask(Codec):
             out[start:end] = self.inner.decode(form).reshape(-1)
         mask = self._mask.decode(Packed(_MASK, torch.Size((packed.numel,)), torch.bool, packed.device,
                                         {"bits": buffers[_MASK]}))
-        return out.masked_fill_(mask, float("-inf")).view(packed.shape)
+        # (a where, not masked_fill: a device scalar as the fill value is read on the host)
+        return torch.where(mask, buffers[_LEAST], out).view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return self.inner.bits_per_element(x) + 1.0
