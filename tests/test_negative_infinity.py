@@ -48,15 +48,19 @@ def test_negative_infinities_come_back_and_the_rest_as_the_inner_codec_stores_it
     assert codec.bits_per_element(x) == inner.bits_per_element(x) + 1
 
 
-def test_float64_values_below_float32s_range_come_back_as_they_were():
-    """A float64 mask's finfo.min (HuggingFace's float64 masks) is -inf to the quantize format, which reads float32:
-    a group holding one decoded to NaN. Masked, it comes back as itself (not -inf: a fully masked row of finfo.min
-    is a uniform softmax, of -inf a NaN one)."""
-    x = torch.randn(4, 300, dtype=torch.float64).masked_fill(torch.eye(4, 300, dtype=torch.bool),
-                                                               torch.finfo(torch.float64).min)
-    codec = NegativeInfinityMask(act.codecs.get("quantize", bits=4, backend="torch"), backend="torch")
+@pytest.mark.parametrize("dtype, stats_dtype", [(torch.float64, "float32"), (torch.float32, "bfloat16"),
+                                                (torch.float64, "bfloat16")], ids=str)
+def test_values_below_what_the_format_holds_come_back_as_they_were(dtype, stats_dtype):
+    """A mask's finfo.min beyond what quantize holds: float64's, which the format reads (as float32) as -inf, and
+    float32's under bfloat16 statistics, whose minimum rounds down to -inf: a group holding one decoded to NaN (a
+    padded GPT-2 at CB1 with bfloat16 statistics). Masked, it comes back as itself (not -inf: a fully masked row of
+    finfo.min is a uniform softmax, of -inf a NaN one)."""
+    x = torch.randn(4, 300, dtype=dtype).masked_fill(torch.eye(4, 300, dtype=torch.bool), torch.finfo(dtype).min)
+    inner = act.codecs.get("quantize", bits=4, stats_dtype=stats_dtype, backend="torch")
+    assert not torch.isfinite(inner.decode(inner.encode(x))).all()
+    codec = NegativeInfinityMask(inner, backend="torch")
     out = codec.decode(codec.encode(x, key=1))
-    extreme = x == torch.finfo(torch.float64).min
+    extreme = x == torch.finfo(dtype).min
     assert torch.equal(out[extreme], x[extreme]) and torch.isfinite(out).all()
     assert (out[~extreme] - x[~extreme]).abs().max() < 1  # the 4-bit grid of randn groups
 

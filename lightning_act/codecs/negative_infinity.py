@@ -5,9 +5,10 @@ Quantize and division store a group or a plane holding ``-inf`` as NaN (their gr
 ``log_softmax(logits.masked_fill(mask, -inf))``, a ``cross_entropy`` or a ``Categorical(logits=...)`` over masked
 logits (invalid-action masking) trained on NaN gradients. Here the inner codec stores the values with each
 ``-inf`` replaced by 0 and the mask brings the ``-inf`` back on decode: exact where they were, the inner codec's
-error elsewhere (0 may widen a group's range: log-probabilities lie below it, logits around it). A float64 tensor's
-values below float32's range (its ``finfo.min``, HuggingFace's float64 masks), which the quantize format reads as
-``-inf``, are masked too; the masked places decode to the least of them (one value: a mask's).
+error elsewhere (0 may widen a group's range: log-probabilities lie below it, logits around it). Values below what
+the inner format holds are masked too: a float64 mask's ``finfo.min``, which quantize reads (as float32) as ``-inf``,
+and float32's ``finfo.min`` under bfloat16 statistics, whose minimum rounds down to ``-inf``. The masked places
+decode to the least of them (one value: a mask's).
 
 The tensor is processed by chunks of whole inner groups (the quantize format's chunk size), each an encoded form
 of its own, so the stand-in copy stays one chunk long: the log-probabilities of a language model's vocabulary,
@@ -23,8 +24,6 @@ from .base import Codec, Packed
 from .bitmask import BitmaskCodec
 
 _MASK, _LEAST = "neginf", "least"
-# -inf, and the float64 values below float32's range (a float64 mask's finfo.min), which quantize reads as -inf
-_FLOAT32_LOWEST = -torch.finfo(torch.float32).max
 
 
 class NegativeInfinityMask(Codec):
@@ -46,6 +45,9 @@ class NegativeInfinityMask(Codec):
         self._mask = BitmaskCodec(backend)
         # chunks of whole inner groups and whole mask bytes
         self._unit = 8 * getattr(inner, "group_size", 1)
+        # the least value the inner format holds: float32's (what quantize reads), or its statistics' dtype's
+        stats = getattr(inner, "stats_dtype", torch.float32)
+        self._lowest = -min(torch.finfo(torch.float32).max, torch.finfo(stats).max)
 
     def _spans(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
         step = max(self._unit, chunk_elements(device) // self._unit * self._unit)
@@ -53,8 +55,8 @@ class NegativeInfinityMask(Codec):
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         flat = x.reshape(-1)
-        # (a float64 bound: in a 16-bit dtype the scalar itself would round to -inf)
-        negative = flat < _FLOAT32_LOWEST if x.dtype == torch.float64 else flat == float("-inf")
+        # (16-bit dtypes: -inf only, and the bound itself might round to -inf there)
+        negative = flat == float("-inf") if x.element_size() == 2 else flat < self._lowest
         buffers = {_MASK: self._mask.encode(negative).buffers["bits"]}
         least = torch.full((1,), float("inf"), dtype=x.dtype, device=x.device)  # of the masked values
         forms = []
