@@ -65,6 +65,23 @@ def test_values_below_what_the_format_holds_come_back_as_they_were(dtype, stats_
     assert (out[~extreme] - x[~extreme]).abs().max() < 1  # the 4-bit grid of randn groups
 
 
+@pytest.mark.parametrize("fill", ["finfo.min", "-inf"])
+def test_around_division_the_tensor_keeps_its_shape_and_its_extremes(fill):
+    """DIVISION pools each plane of the tensor's own shape: it gets the whole tensor in that shape; its block sums
+    overflow on a mask's finfo.min, which is masked too and comes back as itself."""
+    value = torch.finfo(torch.float32).min if fill == "finfo.min" else float("-inf")
+    x = torch.randn(2, 3, 16, 16).masked_fill(torch.rand(2, 3, 16, 16) < 0.2, value)
+    inner = act.codecs.get("division", backend="torch")
+    codec = NegativeInfinityMask(inner, backend="torch")
+    assert codec.logical_layout
+    packed = codec.encode(x, key=4)
+    out = codec.decode(packed)
+    masked = x == value
+    assert torch.equal(out[masked], x[masked]) and torch.isfinite(out[~masked]).all()
+    stand_in = x.masked_fill(masked, 0.0)
+    assert torch.equal(out[~masked], inner.decode(inner.encode(stand_in, key=4))[~masked])
+
+
 def test_chunks_of_whole_groups_each_an_encoded_form(monkeypatch):
     """The stand-in copy is one chunk long: a tensor of several chunks stores one inner form per chunk (noise key
     ``key ^ chunk``), chunks of whole groups; swapped to another device and back, it decodes the same."""

@@ -7,11 +7,11 @@ logits (invalid-action masking) trained on NaN gradients. Here the inner codec s
 ``-inf`` replaced by 0 and the mask brings the ``-inf`` back on decode: exact where they were, the inner codec's
 error elsewhere (0 may widen a group's range: log-probabilities lie below it, logits around it). Values below what
 the inner format holds are masked too: a float64 mask's ``finfo.min``, which quantize reads (as float32) as ``-inf``,
-and float32's ``finfo.min`` under bfloat16 statistics, whose minimum rounds down to ``-inf``. The masked places
-decode to the least of them (one value: a mask's).
+float32's ``finfo.min`` under bfloat16 statistics, whose minimum rounds down to ``-inf``, and under division any
+value whose block sums could overflow. The masked places decode to the least of them (one value: a mask's).
 
-The tensor is processed by chunks of whole inner groups (the quantize format's chunk size), each an encoded form
-of its own, so the stand-in copy stays one chunk long: the log-probabilities of a language model's vocabulary,
+The tensor is processed by chunks of whole inner groups (the quantize format's chunk size; whole, in its shape, for a
+codec that reads the shape), each an encoded form of its own, so the stand-in copy stays one chunk long: the log-probabilities of a language model's vocabulary,
 saved at the forward's peak, never cost a second full copy. ``+inf`` and NaN stay as the inner codec stores them.
 """
 from __future__ import annotations
@@ -40,23 +40,27 @@ class NegativeInfinityMask(Codec):
         # is the same form, stored once
         self.name = inner.name
         self.dtypes, self.keeps_range, self.error_bound = inner.dtypes, inner.keeps_range, inner.error_bound
-        self.side_stream_safe = inner.side_stream_safe
+        self.side_stream_safe, self.logical_layout = inner.side_stream_safe, inner.logical_layout
         self.bits = getattr(inner, "bits", None)
         self._mask = BitmaskCodec(backend)
         # chunks of whole inner groups and whole mask bytes
         self._unit = 8 * getattr(inner, "group_size", 1)
-        # the least value the inner format holds: float32's (what quantize reads), or its statistics' dtype's
+        # the least value the inner format holds: float32's (what quantize reads), or its statistics' dtype's; a
+        # pooling format's block sums must not overflow either (division: block_size^3 elements at most)
         stats = getattr(inner, "stats_dtype", torch.float32)
-        self._lowest = -min(torch.finfo(torch.float32).max, torch.finfo(stats).max)
+        pooled = getattr(inner, "block_size", 1) ** 3
+        self._lowest = -min(torch.finfo(torch.float32).max, torch.finfo(stats).max) / pooled
 
     def _spans(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
+        if self.logical_layout:  # the inner codec reads the tensor's shape (division's planes): one whole form
+            return [(0, numel)] if numel else []
         step = max(self._unit, chunk_elements(device) // self._unit * self._unit)
         return [(start, min(numel, start + step)) for start in range(0, numel, step)]
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         flat = x.reshape(-1)
-        # (16-bit dtypes: -inf only, and the bound itself might round to -inf there)
-        negative = flat == float("-inf") if x.element_size() == 2 else flat < self._lowest
+        # (a dtype whose values all lie above the bound holds only -inf below it; the bound would round to -inf there)
+        negative = flat < self._lowest if torch.finfo(x.dtype).max >= -self._lowest else flat == float("-inf")
         buffers = {_MASK: self._mask.encode(negative).buffers["bits"]}
         least = torch.full((1,), float("inf"), dtype=x.dtype, device=x.device)  # of the masked values
         forms = []
@@ -64,7 +68,8 @@ class NegativeInfinityMask(Codec):
             part, masked = flat[start:end], negative[start:end]
             torch.minimum(least, part.masked_fill(~masked, float("inf")).amin().reshape(1), out=least)
             # (a chunk's own copy: an inner form may keep what it was given, as quantize's raw forms do)
-            form = self.inner.encode(part.masked_fill(masked, 0.0), key=key ^ i)
+            stand_in = part.masked_fill(masked, 0.0)
+            form = self.inner.encode(stand_in.view(x.shape) if self.logical_layout else stand_in, key=key ^ i)
             forms.append((start, end, form))
             parts = form.buffers
             if type(parts) is OneBuffer:
@@ -83,7 +88,8 @@ class NegativeInfinityMask(Codec):
         for i, (start, end, layout, names, meta) in enumerate(packed.meta["forms"]):
             parts = OneBuffer(buffers[f"{i}"], layout) if layout is not None else \
                 {name: buffers[f"{i}/{name}"] for name in names}
-            form = Packed(self.inner.name, torch.Size((end - start,)), packed.dtype, packed.device, parts, meta)
+            shape = packed.shape if self.logical_layout else torch.Size((end - start,))
+            form = Packed(self.inner.name, shape, packed.dtype, packed.device, parts, meta)
             out[start:end] = self.inner.decode(form).reshape(-1)
         mask = self._mask.decode(Packed(_MASK, torch.Size((packed.numel,)), torch.bool, packed.device,
                                         {"bits": buffers[_MASK]}))
