@@ -821,10 +821,6 @@ class ActivationCompressor:
             # the saving function's rule first: it may store masks or indices losslessly, or ask for precision
             call = tracker.current
             rule = op_rules.OP_RULES.get(call.func) if call is not None else None
-            if call is None and t.grad_fn is None and not t.requires_grad and t.is_floating_point():
-                # from outside the graph, saved by an untracked op (torch's reentrant checkpoint, a product with a
-                # mask): data, a mask, a position table; a mask holds -inf
-                infinities = True
             if rule is not None:
                 codec = rule(t, call)
                 if type(codec) is op_rules.MinimumBits:
