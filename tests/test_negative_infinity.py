@@ -82,6 +82,18 @@ def test_around_division_the_tensor_keeps_its_shape_and_its_extremes(fill):
     assert torch.equal(out[~masked], inner.decode(inner.encode(stand_in, key=4))[~masked])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_a_channels_last_tensor_decodes_in_its_logical_order(dtype):
+    """A permuted layout (channels_last) is read in logical order; the decoded tensor has the input's shape and
+    its -inf where the input's were."""
+    x = _masked((2, 8, 6, 5), dtype).contiguous(memory_format=torch.channels_last)
+    inner = act.codecs.get("quantize", bits=4, group_size=32, backend="torch")
+    codec = NegativeInfinityMask(inner, backend="torch")
+    out = codec.decode(codec.encode(x, key=2))
+    assert out.shape == x.shape and torch.equal(out == float("-inf"), x == float("-inf"))
+    assert_same_bits(out, _expected(inner, x.contiguous(), 2, [(0, x.numel())]))
+
+
 def test_chunks_of_whole_groups_each_an_encoded_form(monkeypatch):
     """The stand-in copy is one chunk long: a tensor of several chunks stores one inner form per chunk (noise key
     ``key ^ chunk``), chunks of whole groups; swapped to another device and back, it decodes the same."""

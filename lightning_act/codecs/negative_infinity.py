@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from typing import Iterable
+
 from ..cuda.launcher import OneBuffer
-from ..formats.quantize import chunk_elements
+from ._chunks import chunk_elements, spans
 from .base import Codec, Packed
 from .bitmask import BitmaskCodec
 
@@ -51,11 +53,10 @@ class NegativeInfinityMask(Codec):
         pooled = getattr(inner, "block_size", 1) ** 3
         self._lowest = -min(torch.finfo(torch.float32).max, torch.finfo(stats).max) / pooled
 
-    def _spans(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
+    def _spans(self, numel: int, device: torch.device) -> Iterable[tuple[int, int]]:
         if self.logical_layout:  # the inner codec reads the tensor's shape (division's planes): one whole form
-            return [(0, numel)] if numel else []
-        step = max(self._unit, chunk_elements(device) // self._unit * self._unit)
-        return [(start, min(numel, start + step)) for start in range(0, numel, step)]
+            return spans(numel, max(numel, 1))
+        return spans(numel, max(self._unit, chunk_elements(device) // self._unit * self._unit))
 
     def encode(self, x: torch.Tensor, *, key: int = 0) -> Packed:
         flat = x.reshape(-1)
@@ -94,7 +95,7 @@ class NegativeInfinityMask(Codec):
         mask = self._mask.decode(Packed(_MASK, torch.Size((packed.numel,)), torch.bool, packed.device,
                                         {"bits": buffers[_MASK]}))
         # (a where, not masked_fill: a device scalar as the fill value is read on the host)
-        return torch.where(mask, buffers[_LEAST], out).view(packed.shape)
+        return torch.where(mask, buffers[_LEAST], out, out=out).view(packed.shape)
 
     def bits_per_element(self, x: torch.Tensor, packed: Packed | None = None) -> float:
         return self.inner.bits_per_element(x) + 1.0

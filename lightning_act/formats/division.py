@@ -20,8 +20,8 @@ so the residual is quantized per channel of each sample with stochastic rounding
 bytes per channel). Decode: ``x' = (mn + q * step) + upsampled lfc`` in float32, cast to the input dtype,
 so ``|x' - x| <= step`` of the plane (plus the output dtype's rounding, or float32's of a float64 input) and
 ``E[x'] = x``. A plane holding NaN or +-Inf decodes to NaN, and so does one whose block means overflow
-bfloat16 (values near float32's limits: an additive attention mask's ``finfo.min``; the op rules keep the masks
-they see exact). Every NaN stored (``lfc``, ``mn``, ``step``) or
+bfloat16 (values near float32's limits: an additive attention mask's ``finfo.min``; where the op rules see masks,
+``codecs.negative_infinity`` masks such values out first). Every NaN stored (``lfc``, ``mn``, ``step``) or
 decoded is the canonical NaN of its dtype (``floats.CANONICAL_NAN``), whatever the input's NaN encodings.
 
 ``division_encode_spec`` / ``division_decode_spec`` are the specification, written to be read;
