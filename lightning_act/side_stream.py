@@ -10,7 +10,9 @@ each one a line below:
 * the saved tensor is marked used by the side stream (``record_stream``): the compute stream's allocator does
   not hand its memory out again before the encode has read it, even when autograd drops it at once;
 * before the first decode after new encodes, the stream that decodes waits for the side stream (a ticket per
-  encode tells whether a wait already covers it: one wait per backward, not one per tensor);
+  encode tells whether a wait of that stream already covers it: one wait per backward and decoding stream, not
+  one per tensor; a backward op runs on its forward op's stream, so a forward on several streams decodes on
+  several);
 * after a decode, the encoded buffers are marked used by the decoding stream, so the side stream's allocator
   does not reuse them while the decode still reads them.
 
@@ -75,7 +77,7 @@ class SideStreamEncoder:
         self._sides: dict[torch.device, object] = {}
         self._lock = threading.Lock()  # forward threads encode, autograd's device threads decode
         self._issued = 0  # tickets handed out (one per encode)
-        self._covered: dict[torch.device, int] = {}  # device -> every ticket up to this one is waited for
+        self._covered: dict[object, int] = {}  # decoding stream -> every ticket up to this one is waited for
 
     def takes(self, t: torch.Tensor) -> bool:
         return self.ops.takes(t)
@@ -103,11 +105,11 @@ class SideStreamEncoder:
         """``codec.decode(packed)`` on the current stream, after the encode with ``ticket`` has finished."""
         ops, device = self.ops, packed.device
         stream = ops.current(device)
-        if self._covered.get(device, 0) < ticket:
+        if self._covered.get(stream, 0) < ticket:
             with self._lock:
                 issued = self._issued
                 ops.wait(stream, self._side(device))
-                self._covered[device] = max(self._covered.get(device, 0), issued)
+                self._covered[stream] = max(self._covered.get(stream, 0), issued)
         out = codec.decode(packed)
         for buffer in _storages(packed):
             ops.used_by(buffer, stream)

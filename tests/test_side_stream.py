@@ -135,6 +135,21 @@ def test_a_new_encode_after_decodes_makes_the_next_decode_wait_again(logged):
     assert logged.log.count(("wait", "main", "side")) == 2
 
 
+def test_each_decoding_stream_waits_for_the_side_stream(logged):
+    """A backward op runs on its forward op's stream: a wait of one stream does not order another one's decodes."""
+    codec = act.codecs.get("quantize", bits=4)
+    encoder = SideStreamEncoder(logged)
+    x = torch.randn(1000)
+    packed, ticket = encoder.encode(codec, x, key=1)
+    encoder.decode(codec, packed, ticket)
+    with logged.use("other"):
+        encoder.decode(codec, packed, ticket)
+        encoder.decode(codec, packed, ticket)
+    encoder.decode(codec, packed, ticket)
+    waits = [entry for entry in logged.log if entry[0] == "wait" and entry[2] == "side"]
+    assert waits == [("wait", "main", "side"), ("wait", "other", "side")]
+
+
 def test_lorenzo_and_kept_tensors_stay_on_the_compute_stream(logged):
     model, x = _mlp(), torch.randn(64, 64)
     compressor = act.ActivationCompressor(model, act.ACTConfig(codec="lorenzo", error_bound=1e-2, min_numel=1,
