@@ -50,11 +50,13 @@ def _segment_input_rule(t: torch.Tensor, call: optrack.FunctionCall) -> op_rules
     return _SEGMENT_INPUT if t.is_floating_point() and not t.requires_grad else None
 
 
-# PyTorch's non-reentrant checkpoint saves its positional inputs through the compressor in this method (its
-# reentrant one, in its Function's apply, is not tracked)
-_TORCH_SAVE_INPUTS = getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None)
-op_rules.register_op_rule((checkpoint,) + ((_TORCH_SAVE_INPUTS,) if _TORCH_SAVE_INPUTS else ()),
-                          _segment_input_rule, gradient=True)
+# PyTorch's checkpoint saves its positional inputs through the compressor in these: the non-reentrant one in its
+# frame's method, the reentrant one (torch 2.13's default, HuggingFace's) once its Function's forward has returned,
+# inside the ``apply`` it inherits (held here as one bound method: the tracker sets its wrapper on that class)
+_TORCH_SAVE_INPUTS = tuple(fn for fn in (
+    getattr(getattr(torch.utils.checkpoint, "_CheckpointFrame", None), "save_inputs", None),
+    getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "apply", None)) if fn is not None)
+op_rules.register_op_rule((checkpoint, *_TORCH_SAVE_INPUTS), _segment_input_rule, gradient=True)
 
 
 class _CompressedCheckpoint(torch.autograd.Function):

@@ -4,7 +4,7 @@ A saved tensor's ``grad_fn`` cannot tell a ReLU saving its output from the next 
 as its input; the function being called can. While a :class:`FunctionTracker` is active, each function it
 tracks (the op rules' and the weight-taking products: a few dozen) is replaced where code looks it up
 (``torch.nn.functional``, ``torch``, ``torch.linalg``, ``torch.special``, ``torch.Tensor``, the function's own
-module) by a wrapper that records its call in the running thread's tracker, so the pack hook, which fires inside
+module; for an autograd Function's ``apply``, the Function's class) by a wrapper that records its call in the running thread's tracker, so the pack hook, which fires inside
 the call, sees it; a tracker's replacement of a function runs in the call's place (a scatter max that saves masks,
 not values). Every other torch call runs untouched. (A ``TorchFunctionMode`` sees every call: it took 1.5-5.8 ms a
 forward of the proxy models on this project's CPU where the wrappers took 0.7-1.0,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
@@ -88,7 +89,10 @@ LOOKUP_MODULES = (F, torch, torch.linalg, torch.special)
 def patch_sites(func: Callable) -> list[tuple[object, str]]:
     """Where code looks ``func`` up: ``(owner, name)`` in ``LOOKUP_MODULES``, ``torch.Tensor``, the function's own
     module and, for a method, its class there, whose attribute is ``func`` (aliases included: ``F.conv2d`` is
-    ``torch.conv2d``)."""
+    ``torch.conv2d``); for a classmethod bound to a class (an autograd Function's ``apply``, which it inherits),
+    that class."""
+    if inspect.ismethod(func) and isinstance(func.__self__, type):
+        return [(func.__self__, func.__name__)]  # a call through the class finds the wrapper set there
     owners = list(LOOKUP_MODULES)
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     if module is not None and module not in owners:

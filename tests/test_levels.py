@@ -140,15 +140,20 @@ def _torch_checkpoint(function, *args):
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
+def _torch_reentrant_checkpoint(function, *args):
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=True)
+
+
 # fine settings of each codec: the recomputed attention of a random segment amplifies coarse ones' errors
 @pytest.mark.parametrize("codec", [dict(codec="division", codec_options={"bits": 8}), dict(bits=8, adaptive=False),
                                    dict(codec="lorenzo", error_bound=1e-3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fill", ["finfo.min", "-inf"])
-@pytest.mark.parametrize("segment", [checkpoint, _torch_checkpoint], ids=["lightning_act", "torch"])
+@pytest.mark.parametrize("segment", [checkpoint, _torch_checkpoint, _torch_reentrant_checkpoint],
+                         ids=["lightning_act", "torch", "torch-reentrant"])
 def test_segment_inputs_without_gradient_are_kept_exact(codec, dtype, fill, segment):
     """An additive attention mask handed to a segment (0 and the dtype's most negative value, as HuggingFace builds
-    it, or -inf) comes back as it was, in this package's checkpoint and PyTorch's non-reentrant one: under DIVISION
+    it, or -inf) comes back as it was, in this package's checkpoint and PyTorch's (both kinds): under DIVISION
     its block means overflowed and every gradient was NaN (GPT-2 at CB2), under quantize a group holding -inf
     decoded to NaN. The hidden state, which carries a gradient, goes to the configured codec."""
     torch.manual_seed(0)
@@ -168,8 +173,10 @@ def test_segment_inputs_without_gradient_are_kept_exact(codec, dtype, fill, segm
     assert saved[h.shape].codec == compressor.config.codec
     expected = torch.autograd.grad(_masked_attention(project, x * 2, mask).float().square().sum(), x)[0]
     assert cosine(expected.flatten().float(), x.grad.flatten().float()) > 0.95
+    # the tracker's wrappers are gone with the step
     assert vars(torch.utils.checkpoint._CheckpointFrame)["save_inputs"] is optrack.original(
-        torch.utils.checkpoint._CheckpointFrame.save_inputs)  # the tracker's wrapper is gone with the step
+        torch.utils.checkpoint._CheckpointFrame.save_inputs)
+    assert "apply" not in vars(torch.utils.checkpoint.CheckpointFunction)
 
 
 def test_gpt2_at_cb2_under_division_trains_on_finite_gradients():

@@ -38,6 +38,32 @@ def test_the_tracker_wraps_its_functions_only_while_it_is_active_even_when_the_b
     assert "relu" not in vars(torch.Tensor)
 
 
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def test_a_functions_inherited_apply_is_tracked_on_its_class_and_the_inherited_one_is_back_after():
+    """Autograd packs what a Function's forward saved once the forward has returned, inside the ``apply`` it
+    inherits (PyTorch's reentrant checkpoint): the tracker sets its wrapper on that class, then deletes it."""
+    apply = _Double.apply  # one bound method, held: the tracked function
+    x = torch.randn(3, requires_grad=True)
+    assert _saves(FunctionTracker({apply}), lambda: _Double.apply(x)) == [(apply, x)]
+    assert "apply" not in vars(_Double)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        with FunctionTracker({apply}):
+            assert "apply" in vars(_Double) and optrack.original(_Double.apply) is apply
+            raise RuntimeError("forward failed")
+    assert "apply" not in vars(_Double) and _Double.apply == apply
+    assert torch.equal(_Double.apply(x), 2 * x)
+
+
 def test_the_outermost_tracked_call_is_reported_with_its_arguments_and_others_are_not():
     x = torch.randn(4, requires_grad=True)
     w = torch.randn(3, 4, requires_grad=True)

@@ -47,14 +47,16 @@ KEPT_EXACT = PassthroughCodec()
 
 def register_op_rule(functions: tuple[Callable, ...], rule: OpRule, *, gradient: bool = False) -> None:
     """Let ``rule`` choose the codec of every tensor saved while one of ``functions`` runs. Each must be an attribute
-    of ``optrack.LOOKUP_MODULES``, ``torch.Tensor`` or its own module: the tracker wraps it there. ``gradient``: the
+    of ``optrack.LOOKUP_MODULES``, ``torch.Tensor`` or its own module, or a classmethod bound to the class code calls
+    it through (an autograd Function's ``apply``): the tracker wraps it there. ``gradient``: the
     rule keeps the gradient right (a lossy value there gives NaN or a far-off gradient), so it applies even where
     ``ACTConfig.compress_masks`` turns the rules that only save memory off."""
     functions = tuple(original(fn) for fn in functions)
     for fn in functions:
         if not patch_sites(fn):
             raise ValueError(f"register_op_rule: {fn!r} is not an attribute of {_LOOKUP}, torch.Tensor or its module "
-                             f"{getattr(fn, '__module__', None)!r}; expected a function that code looks up there")
+                             f"{getattr(fn, '__module__', None)!r}; expected a function that code looks up there, or a "
+                             "classmethod bound to a class")
     for fn in functions:
         OP_RULES[fn] = rule
         if gradient:
