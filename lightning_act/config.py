@@ -78,7 +78,7 @@ class ACTConfig:
             stored losslessly, masked logits' -inf kept), which apply either way.
         blpa_bits: ``4`` or ``8`` replaces each BatchNorm -> ReLU -> Conv/Linear run of ``nn.Sequential``
             children by BLPA's block (exact forward, ``blpa_bits`` sign-preserving codes for backward) when the
-            compressor is built; ``None`` (default) leaves the model as it is.
+            compressor is built, its state dict keys kept; ``None`` (default) leaves the model as it is.
         bounded_cnn: during each compressed forward, Conv2d -> BatchNorm2d (-> ReLU) runs of ``nn.Sequential``
             children and ``lightning_act.models``' residual merges run with backwards that hold two full
             tensors plus batch chunks (:func:`lightning_act.nn.convert_bounded_cnn`, undone when the forward

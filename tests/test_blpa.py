@@ -52,6 +52,43 @@ def test_converter_finds_nested_sequentials_and_leaves_other_patterns():
     assert isinstance(model.body[0][0], act.nn.BNReLUBlock) and isinstance(model.body[2], nn.GELU)
 
 
+def _perturbed(state: dict) -> dict:
+    return {key: value + 1 if value.is_floating_point() else value + 2 for key, value in state.items()}
+
+
+def test_the_state_dict_keeps_the_keys_the_model_was_built_with_and_loads_either_way(tmp_path):
+    """A checkpoint of the converted model loads into the model as built (load_from_checkpoint, inference without
+    BLPA) and back; one saved with the blocks' own keys still loads into the converted model."""
+    model = nn.Module()
+    model.body = nn.Sequential(nn.Sequential(nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4)),
+                               nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    built = copy.deepcopy(model)
+    assert act.nn.convert_bn_relu(model) == 2
+    state = model.state_dict()
+    assert list(state) == list(built.state_dict())  # the same keys, in the same order
+    assert all(torch.equal(state[k], v) for k, v in built.state_dict().items())
+    assert state._metadata["body.1"] == built.state_dict()._metadata["body.1"]  # BatchNorm's version
+    assert "body.1.bn.weight" in dict(model.named_parameters())  # (the module tree itself is converted)
+
+    built.load_state_dict(_perturbed(state))  # converted -> as built
+    assert torch.equal(built.body[3].weight, model.body[1].layer.weight + 1)
+    assert torch.equal(built.body[1].num_batches_tracked, model.body[1].bn.num_batches_tracked + 2)
+    model.load_state_dict(built.state_dict())  # as built -> converted
+    assert torch.equal(model.body[1].layer.weight, built.body[3].weight)
+    assert torch.equal(model.body[0][0].bn.running_var, built.body[0][0].running_var)
+    blocks_own = {key.replace("body.1.", "body.1.bn.").replace("body.3.", "body.1.layer.")
+                       .replace("body.0.0.", "body.0.0.bn.").replace("body.0.2.", "body.0.0.layer."): value
+                  for key, value in _perturbed(built.state_dict()).items()}
+    model.load_state_dict(blocks_own)  # the keys this package saved before
+    assert torch.equal(model.body[1].layer.weight, built.body[3].weight + 1)
+
+    path = tmp_path / "model.pt"  # the whole model, hooks included, still pickles
+    torch.save(model, path)
+    restored = torch.load(path, weights_only=False)
+    assert list(restored.state_dict()) == list(built.state_dict())
+    assert list(copy.deepcopy(model).state_dict()) == list(built.state_dict())
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("train", [True, False])
 def test_forward_is_identical_to_the_unfused_modules(bits, train):
@@ -201,7 +238,7 @@ def test_config_converts_the_model_and_forward_stays_exact(bits):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_lightning_strategy_trains_with_blpa_blocks():
+def test_lightning_strategy_trains_with_blpa_blocks(tmp_path):
     import lightning as L
 
     from tests.lightning_models import TinyCNN, random_loader
@@ -217,3 +254,7 @@ def test_lightning_strategy_trains_with_blpa_blocks():
     assert not torch.equal(before, torch.cat([p.detach().flatten() for p in model.parameters()]))
     kept = {r.dtype for r in trainer.strategy.compressor.stats().records if r.kind == "kept"}
     assert torch.uint8 in kept  # the block's packed codes, not the BN input or ReLU output
+    trainer.save_checkpoint(tmp_path / "blpa.ckpt")  # loads into the model as built, for inference without BLPA
+    built = TinyCNN()
+    built.load_state_dict(torch.load(tmp_path / "blpa.ckpt", weights_only=False)["state_dict"])
+    assert torch.equal(built.net[3].weight, model.net[1].layer.weight)

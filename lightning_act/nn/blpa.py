@@ -19,6 +19,8 @@ and the ReLU output are not kept.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -155,7 +157,11 @@ class BNReLUBlock(nn.Module):
 
 def convert_bn_relu(model: nn.Module, bits: int = 8) -> int:
     """Replace every ``BatchNorm -> ReLU -> Conv/Linear`` run of consecutive children of an ``nn.Sequential``
-    in ``model`` (at any depth) by a :class:`BNReLUBlock` named like the BatchNorm. Returns how many."""
+    in ``model`` (at any depth) by a :class:`BNReLUBlock` named like the BatchNorm. Returns how many.
+
+    The state dict keeps the keys it had (``net.1.weight``, ``net.3.weight``, not ``net.1.bn.weight``,
+    ``net.1.layer.weight``), and loads either: a checkpoint of the converted model loads into the model as it was
+    built (``LightningModule.load_from_checkpoint``, inference without BLPA) and the other way round."""
     check_type("model", model, nn.Module, "an nn.Module")
     check_choice("bits", bits, ALLOWED_BITS)
     replaced = 0
@@ -164,17 +170,68 @@ def convert_bn_relu(model: nn.Module, bits: int = 8) -> int:
             continue
         items = list(module._modules.items())
         kept, i = [], 0
+        layer_names = {}  # block (the BatchNorm's name) -> the layer's name before
         while i < len(items):
             trio = [m for _, m in items[i:i + 3]]
             if len(trio) == 3 and isinstance(trio[0], _BATCH_NORMS) and type(trio[1]) is nn.ReLU \
                     and isinstance(trio[2], _LAYERS):
                 kept.append((items[i][0], BNReLUBlock(trio[0], trio[2], bits)))
+                layer_names[items[i][0]] = items[i + 2][0]
                 replaced += 1
                 i += 3
             else:
                 kept.append(items[i])
                 i += 1
-        if len(kept) != len(items):
+        if layer_names:
             module._modules.clear()
             module._modules.update(kept)
+            # (functools.partial of module functions: a model with its hooks still pickles)
+            module.register_state_dict_post_hook(functools.partial(_keys_before_conversion, layer_names))
+            module.register_load_state_dict_pre_hook(functools.partial(_keys_after_conversion, layer_names))
     return replaced
+
+
+def _renamed(keys, prefix: str, renames: dict[str, str]) -> dict[str, str]:
+    """``old -> new`` for the ``keys`` under ``prefix`` + a key of ``renames`` (a child's path), that prefix
+    replaced by its value."""
+    out = {}
+    for key in keys:
+        if key.startswith(prefix):
+            for old, new in renames.items():
+                if key.startswith(old, len(prefix)):
+                    out[key] = prefix + new + key[len(prefix) + len(old):]
+                    break
+    return out
+
+
+def _blpa_renames(layer_names: dict[str, str]) -> dict[str, str]:
+    """Each block's paths in the converted Sequential -> in the Sequential as it was built."""
+    renames = {}
+    for block, layer in layer_names.items():
+        renames[f"{block}.bn."], renames[f"{block}.layer."] = f"{block}.", f"{layer}."
+    return renames
+
+
+def _keys_before_conversion(layer_names, module, state_dict, prefix, local_metadata) -> None:
+    """State-dict post hook of a converted Sequential: its blocks' keys as the Sequential had them, in order."""
+    renames = _renamed(state_dict, prefix, _blpa_renames(layer_names))
+    if renames:
+        items = list(state_dict.items())
+        state_dict.clear()
+        state_dict.update((renames.get(key, key), value) for key, value in items)
+    metadata = getattr(state_dict, "_metadata", None)  # per-module versions (BatchNorm's), keyed without the dot
+    if metadata is not None:
+        for old, new in _renamed([f"{key}." for key in metadata], prefix, _blpa_renames(layer_names)).items():
+            metadata[new[:-1]] = metadata.pop(old[:-1])
+
+
+def _keys_after_conversion(layer_names, module, state_dict, prefix, *args) -> None:
+    """Load-state-dict pre hook of a converted Sequential: keys as the Sequential was built (its BatchNorm's and its
+    layer's) become the blocks'; converted keys stay as they are."""
+    inverse = {}
+    for old, new in _blpa_renames(layer_names).items():
+        inverse[new] = old
+    converted = tuple(prefix + old for old in inverse.values())
+    keys = [key for key in state_dict if not key.startswith(converted)]
+    for old, new in _renamed(keys, prefix, inverse).items():
+        state_dict[new] = state_dict.pop(old)
