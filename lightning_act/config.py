@@ -197,8 +197,9 @@ class ACTConfig:
         allowed = [name for name in inspect.signature(cls).parameters if name not in cls.config_fields]
         unknown = sorted(set(self.codec_options) - set(allowed))
         if unknown:
+            takes = f"some of {', '.join(map(repr, allowed))}" if allowed else "no codec_options"
             raise ValueError(f"codec_options has {', '.join(map(repr, unknown))}, which codec {self.codec!r} does "
-                             f"not take; expected some of {', '.join(map(repr, allowed)) or 'none'} (the others "
+                             f"not take; expected {takes} (the others "
                              f"are ACTConfig fields: {', '.join(cls.config_fields)})")
         if self.enabled:
             codecs.get(self.codec, **self.codec_kwargs())  # bad option values fail here, not in the first forward
@@ -237,5 +238,10 @@ def resolve_config(spec: "ACTConfig | str | dict[str, Any] | None") -> ACTConfig
         check_choice("opt_level", level, LEVELS)
         return ACTConfig(opt_level=level)
     if isinstance(spec, dict):
+        fields = [f.name for f in dataclasses.fields(ACTConfig)]
+        unknown = sorted(set(spec) - set(fields), key=str)
+        if unknown:  # (a YAML or a Trainer argument: say what is allowed, not just what is not)
+            raise ValueError(f"config has {', '.join(map(repr, unknown))}, which ACTConfig does not take; expected "
+                             f"some of {', '.join(fields)}")
         return ACTConfig(**spec)
     raise TypeError(f"config={spec!r}; expected an ACTConfig, a level name ({', '.join(LEVELS)}), a dict or None")

@@ -80,6 +80,9 @@ def test_resolve_aliases():
         resolve_config("fast")
     with pytest.raises(TypeError, match="config=3"):
         resolve_config(3)
+    with pytest.raises(ValueError, match=r"config has 'bitz', 'levle', which ACTConfig does not take; expected some "
+                                         r"of opt_level, codec, bits, .*memory_budget"):
+        resolve_config({"bits": 4, "bitz": 4, "levle": "L2"})
 
 
 @pytest.mark.parametrize("options", [dict(codec="quantize"), dict(codec="division"), dict(opt_level="L0")])
@@ -136,7 +139,9 @@ def test_codec_options_reach_the_codec_and_fields_stay_with_the_config():
     (dict(codec="division", codec_options={"blocksize": 4}),
      r"codec_options has 'blocksize', which codec 'division' does not take; expected some of 'block_size', 'bits' "
      r"\(the others are ACTConfig fields: seed, backend\)"),
-    (dict(codec="quantize", codec_options={"bits": 2}), r"codec_options has 'bits', which codec 'quantize' does not"),
+    (dict(codec="quantize", codec_options={"bits": 2}),
+     r"codec_options has 'bits', which codec 'quantize' does not take; expected no codec_options \(the others are "
+     r"ACTConfig fields: bits, group_size, stats_dtype, seed, backend\)"),
     (dict(codec="division", codec_options={"block_size": 0}), r"block_size=0; expected an integer >= 1"),
     (dict(codec="division", codec_options=[("bits", 4)]), r"codec_options=\[\('bits', 4\)\]; expected a dict"),
     (dict(codec="lorenzo"), r"error_bound=None; expected a finite number > 0"),
