@@ -4,11 +4,11 @@ A saved tensor's ``grad_fn`` cannot tell a ReLU saving its output from the next 
 as its input; the function being called can. While a :class:`FunctionTracker` is active, each function it
 tracks (the op rules' and the weight-taking products: a few dozen) is replaced where code looks it up
 (``torch.nn.functional``, ``torch``, ``torch.linalg``, ``torch.special``, ``torch.Tensor``, the function's own
-module; for an autograd Function's ``apply``, the Function's class) by a wrapper that records its call in the running thread's tracker, so the pack hook, which fires inside
-the call, sees it; a tracker's replacement of a function runs in the call's place (a scatter max that saves masks,
-not values). Every other torch call runs untouched. (A ``TorchFunctionMode`` sees every call: it took 1.5-5.8 ms a
-forward of the proxy models on this project's CPU where the wrappers took 0.7-1.0,
-``benchmarks/bench_host_overhead.py --tracking``.)
+module; for an autograd Function's ``apply``, the Function's class) by a wrapper that records its call in the
+running thread's tracker, so the pack hook, which fires inside the call, sees it; a tracker's replacement of a
+function runs in the call's place (a scatter max that saves masks, not values). Every other torch call runs
+untouched. (A ``TorchFunctionMode`` sees every call: it took 1.5-5.8 ms a forward of the proxy models on this
+project's CPU where the wrappers took 0.7-1.0, ``benchmarks/bench_host_overhead.py --tracking``.)
 
 The outermost tracked call is reported: ``F.relu`` calling ``torch.relu``, or ``nn.MaxPool2d`` calling
 ``F.max_pool2d`` and ``torch.max_pool2d``, show up as the first. Threads without an active tracker call
@@ -36,6 +36,12 @@ class FunctionCall(NamedTuple):
     kwargs: dict
 
 
+# A model compiled where the engine cannot see it (``torch.compile(model)`` around the module a compressor was built
+# on) calls the wrappers while dynamo traces it, or from the eager code between its graph breaks: traced, a call goes
+# into the graph as it is (``_compiling`` is True then); from eager code, the wrapper's own frame is never compiled
+# (the call under it is, as it would be without the wrapper)
+_compiling = torch.compiler.is_compiling
+_skip_frame = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
 _THREAD = threading.local()  # .tracker: this thread's active FunctionTracker
 _ORIGINAL = "_lightning_act_tracked"  # a wrapper's attribute: the function it records
 
@@ -48,6 +54,8 @@ def original(func: Callable) -> Callable:
 def _wrapper(func: Callable) -> Callable:
     @functools.wraps(func)
     def tracked(*args, **kwargs):
+        if _compiling():
+            return func(*args, **kwargs)
         tracker = getattr(_THREAD, "tracker", None)
         if tracker is None or tracker.current is not None or func not in tracker.functions:
             return func(*args, **kwargs)  # another thread's call, one inside a tracked call, or not this tracker's
@@ -63,6 +71,8 @@ def _wrapper(func: Callable) -> Callable:
             tracker.current = None
 
     setattr(tracked, _ORIGINAL, func)
+    if _skip_frame is not None:  # (one code object for every wrapper)
+        _skip_frame(tracked.__code__)
     return tracked
 
 

@@ -5,6 +5,7 @@ import contextlib
 import math
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -528,6 +529,36 @@ def test_eager_code_between_compiled_graphs_runs_the_engine():
     assert phases == {"forward", "compiled"}
     # what both kinds of region keep on the device between forward and backward
     assert stats.device_bytes == sum(r.stored_bytes for r in stats.records) > 0
+
+
+def test_a_model_compiled_around_the_compressors_module_never_compiles_the_engine():
+    """``torch.compile(model)`` after ``ActivationCompressor(model)``: the compressor cannot see the compiled graphs,
+    and autograd calls its hooks between their graph breaks, in code dynamo evaluates frames in. It compiled the
+    engine's hook there op by op (for every step's own hook, minutes a step); the hooks run eagerly now."""
+    from torch._dynamo.convert_frame import input_codes
+
+    torch.manual_seed(0)
+
+    class Gated(nn.Module):
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return x * torch.sigmoid(x)
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), Gated(), nn.Linear(64, 64), nn.ReLU(), Gated(),
+                          nn.Linear(64, 4))
+    x = torch.randn(32, 16)
+    reference = _gradients(model, lambda: model(x))
+    compressor = act.ActivationCompressor(model, act.ACTConfig(bits=8, adaptive=False, min_numel=0))
+    torch._dynamo.reset()
+    net = torch.compile(model, backend="eager")  # (dynamo's frame evaluation is what matters, not inductor)
+    for _ in range(2):
+        grads = _gradients(model, lambda: _compressed(compressor, net)(x))
+    package = str(Path(act.__file__).parent)
+    compiled = {f"{ref().co_filename}:{ref().co_name}" for ref in input_codes.seen if ref() is not None}
+    assert not {name for name in compiled if name.startswith(package)}, compiled
+    assert compressor.stats().num_compressed >= 4  # the engine's hooks ran, on every kind of region
+    assert torch.nn.functional.cosine_similarity(grads, reference, dim=0) > 0.999
+    torch._dynamo.reset()
 
 
 def test_an_attention_mask_the_backward_reads_is_kept_exact():
