@@ -879,7 +879,7 @@ def _eager_call(hook: Callable, *args):
     """``hook(*args)`` where dynamo never compiles it. Autograd calls the hooks from code dynamo evaluates frames
     in (between graph breaks of a model compiled where the compressor cannot see it: ``torch.compile(model)`` around
     the module it was built on); it compiled the engine's hook op by op there, for every saved tensor's shape
-    (minutes a step). Skipped, a call costs about 0.4 µs more (this project's CPU)."""
+    (minutes a step). Skipped, a call costs about 0.5 µs more (0.54 against 0.08 on this project's CPU)."""
     return hook(*args)
 
 
