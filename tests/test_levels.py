@@ -147,7 +147,7 @@ def _torch_reentrant_checkpoint(function, *args):
 # fine settings of each codec: the recomputed attention of a random segment amplifies coarse ones' errors
 @pytest.mark.parametrize("codec", [dict(codec="division", codec_options={"bits": 8}), dict(bits=8, adaptive=False),
                                    dict(codec="lorenzo", error_bound=1e-3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("fill", ["finfo.min", "-inf"])
 @pytest.mark.parametrize("segment", [checkpoint, _torch_checkpoint, _torch_reentrant_checkpoint],
                          ids=["lightning_act", "torch", "torch-reentrant"])

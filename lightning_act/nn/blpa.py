@@ -214,23 +214,22 @@ def _blpa_renames(layer_names: dict[str, str]) -> dict[str, str]:
 
 def _keys_before_conversion(layer_names, module, state_dict, prefix, local_metadata) -> None:
     """State-dict post hook of a converted Sequential: its blocks' keys as the Sequential had them, in order."""
-    renames = _renamed(state_dict, prefix, _blpa_renames(layer_names))
+    paths = _blpa_renames(layer_names)
+    renames = _renamed(state_dict, prefix, paths)
     if renames:
         items = list(state_dict.items())
         state_dict.clear()
         state_dict.update((renames.get(key, key), value) for key, value in items)
     metadata = getattr(state_dict, "_metadata", None)  # per-module versions (BatchNorm's), keyed without the dot
     if metadata is not None:
-        for old, new in _renamed([f"{key}." for key in metadata], prefix, _blpa_renames(layer_names)).items():
+        for old, new in _renamed([f"{key}." for key in metadata], prefix, paths).items():
             metadata[new[:-1]] = metadata.pop(old[:-1])
 
 
 def _keys_after_conversion(layer_names, module, state_dict, prefix, *args) -> None:
     """Load-state-dict pre hook of a converted Sequential: keys as the Sequential was built (its BatchNorm's and its
     layer's) become the blocks'; converted keys stay as they are."""
-    inverse = {}
-    for old, new in _blpa_renames(layer_names).items():
-        inverse[new] = old
+    inverse = {new: old for old, new in _blpa_renames(layer_names).items()}
     converted = tuple(prefix + old for old in inverse.values())
     keys = [key for key in state_dict if not key.startswith(converted)]
     for old, new in _renamed(keys, prefix, inverse).items():
