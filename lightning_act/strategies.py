@@ -77,7 +77,8 @@ def _build(pl_name: str) -> tuple[type, type]:
     class ACTStrategy(_ACTStrategyMixin, strategies.SingleDeviceStrategy):
         """Single-device training with compressed activations: ``ACTStrategy(ACTConfig(bits=2))``.
 
-        ``device`` defaults to the first device of the Trainer's accelerator.
+        ``device`` defaults to the first of the devices the Trainer was given (``devices=[2]`` trains on
+        ``cuda:2``), as Lightning's own single-device choice does.
         """
 
         strategy_name = "act"
@@ -85,13 +86,27 @@ def _build(pl_name: str) -> tuple[type, type]:
         def __init__(self, config: ACTConfig | str | dict | None = None, device: Any = None, **kwargs: Any):
             super().__init__(device=device if device is not None else "cpu", **kwargs)
             self._device_given = device is not None
+            self._trainer_devices: list[torch.device] | None = None
             self._init_act(config)
 
         @property
+        def parallel_devices(self) -> list[torch.device] | None:
+            """The devices the Trainer resolved from ``accelerator=`` and ``devices=``: Lightning's accelerator
+            connector sets them on every strategy that has this attribute."""
+            return self._trainer_devices
+
+        @parallel_devices.setter
+        def parallel_devices(self, devices: list[torch.device] | None) -> None:
+            self._trainer_devices = devices
+            if not self._device_given and devices and len(devices) > 1:
+                warn_user(f"lightning_act: strategy 'act' trains on one device, {devices[0]}, of the {len(devices)} "
+                          f"the Trainer was given ({', '.join(map(str, devices))}); use strategy='act_ddp' to "
+                          "train on all of them, or devices=1 to silence this.")
+
+        @property
         def root_device(self) -> torch.device:
-            if not self._device_given and self.accelerator is not None:
-                accelerator = self.accelerator
-                return accelerator.get_parallel_devices(accelerator.parse_devices(1))[0]
+            if not self._device_given and self._trainer_devices:
+                return self._trainer_devices[0]
             return self._root_device
 
     class ACTDDPStrategy(_ACTStrategyMixin, strategies.DDPStrategy):

@@ -113,6 +113,42 @@ def test_compression_monitor_needs_act_strategy():
         trainer.fit(TinyCNN(), random_loader())
 
 
+@pytest.fixture
+def four_cuda_devices(monkeypatch):
+    """Lightning's device resolution sees four CUDA devices (only Trainer construction: nothing runs on them)."""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    import lightning.pytorch.accelerators.cuda as pl_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 4)
+    monkeypatch.setattr(pl_cuda, "num_cuda_devices", lambda: 4)
+
+
+@pytest.mark.parametrize("devices, root", [([2], "cuda:2"), ([3], "cuda:3"), (1, "cuda:0"), ("1", "cuda:0")])
+def test_act_trains_on_the_device_the_trainer_was_given(four_cuda_devices, recwarn, devices, root):
+    trainer = L.Trainer(strategy="act", accelerator="gpu", devices=devices, logger=False)
+    assert trainer.strategy.root_device == torch.device(root)
+    assert trainer.device_ids == [torch.device(root).index]
+    assert not [w for w in recwarn if "act_ddp" in str(w.message)]
+
+
+@pytest.mark.parametrize("accelerator, devices, named", [("gpu", 2, "cuda:0, cuda:1"), ("gpu", [1, 3], "cuda:1, cuda:3"),
+                                                          ("gpu", "auto", "cuda:0, cuda:1, cuda:2, cuda:3"),
+                                                          ("cpu", 2, "cpu, cpu")])
+def test_act_given_several_devices_says_it_trains_on_the_first(four_cuda_devices, accelerator, devices, named):
+    first = named.split(",")[0]
+    with pytest.warns(UserWarning, match=rf"trains on one device, {first}, of the {named.count(',') + 1} the Trainer "
+                                         rf"was given \({named}\); use strategy='act_ddp'"):
+        trainer = L.Trainer(strategy="act", accelerator=accelerator, devices=devices, logger=False)
+    assert trainer.strategy.root_device == torch.device(first)
+
+
+def test_act_with_a_device_of_its_own_keeps_it(four_cuda_devices, recwarn):
+    trainer = L.Trainer(strategy=act.ACTStrategy(device="cuda:1"), accelerator="gpu", devices=2, logger=False)
+    assert trainer.strategy.root_device == torch.device("cuda:1")
+    assert not [w for w in recwarn if "act_ddp" in str(w.message)]
+
+
 def test_registered_in_pytorch_lightning_too():
     pl = pytest.importorskip("pytorch_lightning")
     from lightning_act.strategies import PLACTDDPStrategy, PLACTStrategy
