@@ -70,6 +70,41 @@ def test_momentum_in_gradient_units_for_sgd_and_adam():
     assert momentum_magnitude(torch.optim.SGD([p], lr=0.1), p) is None  # plain SGD keeps none
 
 
+def test_rmsprop_momentum_in_gradient_units():
+    """RMSprop's momentum buffer holds gradients over their running RMS (about 1 / (1 - momentum) whatever the
+    gradient's scale): in gradient units a constant gradient's momentum is that gradient."""
+    p = nn.Parameter(torch.ones(10))
+    rmsprop = torch.optim.RMSprop([p], lr=1e-6, momentum=0.5, alpha=0.5)
+    for _ in range(40):
+        p.grad = torch.full((10,), 3e-4)
+        rmsprop.step()
+    assert momentum_magnitude(rmsprop, p) == pytest.approx(3e-4, rel=1e-3)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "rmsprop", "rmsprop_centered"])
+def test_momentum_tracks_the_gradients_scale_for_every_optimizer(optimizer):
+    """On a model trained by minibatches, the momentum of a layer's weight is a fraction of its mean |gradient|
+    (noisy gradients average out), the same fraction for every optimizer: RMSprop's was 250 times larger."""
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, 0.01, momentum=0.9),
+            "adam": lambda ps: torch.optim.Adam(ps, 1e-4),
+            "rmsprop": lambda ps: torch.optim.RMSprop(ps, 1e-4, momentum=0.9),
+            "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, 1e-4, momentum=0.9, centered=True)}[optimizer]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4))
+    opt = make(model.parameters())
+    x, y = torch.randn(256, 64), torch.randint(0, 4, (256,))
+    ratios = []
+    for step in range(60):
+        batch = torch.randint(0, 256, (32,))
+        nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        grad = float(model[0].weight.grad.abs().mean())
+        opt.step()
+        opt.zero_grad()
+        if step % 10 == 9:
+            ratios.append(momentum_magnitude(opt, model[0].weight) / grad)
+    assert all(0.2 < r < 0.7 for r in ratios), ratios
+
+
 def test_optimizer_without_momentum_gets_the_fallback_bound_with_a_warning():
     model = _mlp()
     compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))

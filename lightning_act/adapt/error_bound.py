@@ -18,8 +18,10 @@ with the choices made here (measured every ``interval`` optimizer steps; bounds 
   no error), at least ``1 / numel``.
 * momentum, in gradient units (the paper: "the target sigma is 1% of the average of gradient"): SGD's
   ``momentum_buffer`` times ``1 - dampening`` if dampening else ``1 - momentum`` (the buffer sums a geometric
-  series of gradients), Adam's bias-corrected ``exp_avg``. An optimizer without momentum (plain SGD, RMSprop,
-  none at all) gives nothing to adapt to: those layers get ``fallback_error_bound``, with a warning.
+  series of gradients), RMSprop's ``momentum_buffer`` (a sum of gradients over their running RMS) times that RMS
+  and ``1 - momentum``, Adam's bias-corrected ``exp_avg``. An optimizer without momentum (plain SGD, RMSprop
+  without momentum, Adagrad, none at all) gives nothing to adapt to: those layers get ``fallback_error_bound``,
+  with a warning.
 
 Eq. 9 bounds what a layer's weight gradient reads: the layer's input. So the tracked layers are modules with
 a weight matrix or kernel of their own (``Linear``, ``ConvNd``, PyG's ``Linear``; not bias-only wrappers or
@@ -107,6 +109,11 @@ def momentum_magnitude(optimizer: torch.optim.Optimizer | None, param: nn.Parame
     state = optimizer.state.get(param, {}) if optimizer is not None else {}
     if state.get("momentum_buffer") is not None:
         group = _group_of(optimizer, param)
+        if "square_avg" in state:
+            # RMSprop's buffer sums gradients divided by their running RMS: multiplied back into gradient units
+            square = state["square_avg"] - state["grad_avg"] ** 2 if "grad_avg" in state else state["square_avg"]
+            rms = square.clamp_min(0).sqrt() + group.get("eps", 0.0)
+            return float((state["momentum_buffer"] * rms).abs().mean()) * (1 - group.get("momentum", 0.0))
         dampening = group.get("dampening", 0.0)
         scale = 1 - dampening if dampening else 1 - group.get("momentum", 0.0)
         return float(state["momentum_buffer"].abs().mean()) * scale
@@ -292,8 +299,8 @@ class ErrorBoundController:
             given = type(self.optimizer).__name__ if self.optimizer is not None else "no optimizer"
             warn_user(
                 f"lightning_act: {given} keeps no momentum for layers {', '.join(without_momentum)}; their lorenzo "
-                f"error bound stays at fallback_error_bound={self.fallback_error_bound:g}. Use SGD with momentum, "
-                "Adam or AdamW to adapt it (Jin et al. eq. 9).")
+                f"error bound stays at fallback_error_bound={self.fallback_error_bound:g}. Use SGD or RMSprop "
+                "with momentum, Adam or AdamW to adapt it (Jin et al. eq. 9).")
         self._codecs = {b: c for b, c in self._codecs.items() if b in self.error_bounds.values()}
         return changed
 
