@@ -164,7 +164,7 @@ def _entry_points():
         ("model='net'; expected an nn.Module or None", lambda: act.ActivationCompressor("net")),
         ("compressor='c'; expected an ActivationCompressor", lambda: AutoPrecision("c")),
         ("compressor='c'; expected an ActivationCompressor", lambda: ErrorBoundController("c")),
-        ("optimizer='adam'; expected a torch.optim.Optimizer or None",
+        ("optimizer='adam'; expected a torch.optim.Optimizer, a list of them or None",
          lambda: ErrorBoundController(compressor, "adam")),
         ("model=Linear (the class, not an instance of it); expected an nn.Module",
          lambda: LayerStats(nn.Linear, compressor)),

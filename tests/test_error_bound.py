@@ -119,6 +119,51 @@ def test_optimizer_without_momentum_gets_the_fallback_bound_with_a_warning():
         ErrorBoundController(compressor, optimizer, fallback_error_bound=0)
 
 
+class _TwoOptimizers:
+    """SGD with momentum for the first layer, Adam for the last: one ``step`` steps both."""
+
+    def __init__(self, model, holds_last: bool = True):
+        self.sgd = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+        self.adam = torch.optim.Adam(model[2].parameters() if holds_last else [model[2].bias])
+
+    def step(self):
+        self.sgd.step()
+        self.adam.step()
+
+    def zero_grad(self):
+        self.sgd.zero_grad()
+        self.adam.zero_grad()
+
+
+def test_each_layer_reads_the_momentum_of_the_optimizer_holding_its_weight(recwarn):
+    model = _mlp()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    optimizers = _TwoOptimizers(model)
+    controller = ErrorBoundController(compressor, [optimizers.sgd, optimizers.adam], interval=2)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    with controller:
+        bounds = _train_step(model, compressor, optimizers, controller, x, y)
+    assert set(bounds) == {"0", "2"}
+    for layer, optimizer in (("0", optimizers.sgd), ("2", optimizers.adam)):
+        stats, weight = controller.stats[layer], model[int(layer)].weight
+        assert bounds[layer] == pytest.approx(paper_error_bound(momentum_magnitude(optimizer, weight), stats.mean_grad,
+                                                                stats.terms, stats.nonzero))
+    assert not [w for w in recwarn if "keeps no momentum" in str(w.message)]
+
+
+def test_a_layer_no_optimizer_holds_gets_the_fallback_bound_with_a_warning():
+    model = _mlp()
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    optimizers = _TwoOptimizers(model, holds_last=False)  # the last layer's weight is frozen out of both
+    controller = ErrorBoundController(compressor, (optimizers.sgd, optimizers.adam), interval=2,
+                                      fallback_error_bound=5e-3)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    with controller, pytest.warns(UserWarning, match=r"no optimizer holds the weights of layers 2; "
+                                                     r"their lorenzo error bound stays at fallback_error_bound=0.005"):
+        bounds = _train_step(model, compressor, optimizers, controller, x, y)
+    assert bounds["2"] == 5e-3 and bounds["0"] != 5e-3
+
+
 def test_controller_state_round_trips_bounds_and_schedule():
     model = _mlp()
     compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
@@ -320,6 +365,43 @@ def test_callback_state_is_saved_in_checkpoints_and_restored_on_resume(tmp_path)
     assert resumed.controller.steps == 10
     assert resumed.history[:len(saved_history)] == saved_history
     assert [step for step, _ in resumed.history] == [1, 3, 5, 7, 9]
+
+
+class DigitsGAN(DigitsCNN):
+    """Manual optimization with two optimizers (a GAN's layout): the convolutions' and the classifier's."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        convs, head = self.optimizers()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.manual_backward(loss)
+        convs.step()
+        head.step()
+        convs.zero_grad()
+        head.zero_grad()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.net[:4].parameters(), lr=0.1, momentum=0.9),
+                torch.optim.Adam(self.net[6].parameters(), lr=1e-3))
+
+
+def test_callback_reads_every_optimizer_of_the_module(recwarn):
+    xtr, ytr, _, _ = _digits()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xtr[:256], ytr[:256]), batch_size=64)
+    callback = ErrorBoundCallback(interval=2)
+    trainer = L.Trainer(strategy=act.ACTStrategy(act.ACTConfig(min_numel=0, adaptive=False)), max_epochs=1,
+                        callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    module = DigitsGAN()
+    trainer.fit(module, loader)
+    assert set(callback.history[-1][1]) == {"net.0", "net.2", "net.6"}
+    head = module.optimizers()[1].optimizer
+    assert momentum_magnitude(head, module.net[6].weight) is not None
+    assert not [w for w in recwarn if "keeps no momentum" in str(w.message)]
 
 
 def test_callback_needs_a_compressing_strategy():

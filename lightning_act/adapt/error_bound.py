@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -97,6 +97,10 @@ def _is_input(t: torch.Tensor, x: torch.Tensor | None) -> bool:
     if t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         return True
     return t.numel() == x.numel() and t.dim() > 0 and x.dim() > 0 and t.shape[-1] == x.shape[-1]
+
+
+def _holds(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> bool:
+    return any(p is param for g in optimizer.param_groups for p in g["params"])
 
 
 def _group_of(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict:
@@ -160,24 +164,32 @@ class ErrorBoundController:
     ...         loss.backward(); optimizer.step(); optimizer.zero_grad()
     ...         controller.step()            # after the optimizer step: refresh every ``interval`` steps
 
-    ``error_bounds`` maps layer names to the current absolute bounds. Statistics are gathered on the first step
-    and then every ``interval``-th (the paper's W); other steps only pick the codec. Layers whose optimizer
-    keeps no momentum get ``fallback_error_bound`` (warned once). ``state_dict()`` / ``load_state_dict()`` carry
+    ``optimizer`` may be a list (a GAN's generator and discriminator optimizers): each layer's momentum is read
+    from the one that holds its weight. ``error_bounds`` maps layer names to the current absolute bounds.
+    Statistics are gathered on the first step and then every ``interval``-th (the paper's W); other steps only
+    pick the codec. Layers whose optimizer keeps no momentum (or that no optimizer holds) get
+    ``fallback_error_bound`` (warned once). ``state_dict()`` / ``load_state_dict()`` carry
     the bounds and the step count across a checkpoint.
     """
 
-    def __init__(self, compressor, optimizer: torch.optim.Optimizer | None = None, *,
+    def __init__(self, compressor, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+                 *,
                  interval: int = DEFAULT_INTERVAL, coefficient: float = PAPER_COEFFICIENT,
                  momentum_fraction: float = PAPER_MOMENTUM_FRACTION, initial_error_bound: float | None = None,
                  fallback_error_bound: float = DEFAULT_FALLBACK_ERROR_BOUND, model: nn.Module | None = None):
         check_options(interval, coefficient, momentum_fraction, initial_error_bound, fallback_error_bound)
         check_type("compressor", compressor, ActivationCompressor, "an ActivationCompressor")
-        check_type("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer or None", optional=True)
+        if optimizer is None:
+            optimizers = ()
+        else:
+            optimizers = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
+        for given in optimizers:
+            check_type("optimizer", given, torch.optim.Optimizer, "a torch.optim.Optimizer, a list of them or None")
         check_type("model", model, nn.Module, "an nn.Module or None", optional=True)
         model = model if model is not None else compressor.model
         if model is None:
             raise ValueError("ErrorBoundController needs a model: the compressor has none; pass model=")
-        self.compressor, self.optimizer, self.model = compressor, optimizer, model
+        self.compressor, self.optimizers, self.model = compressor, optimizers, model
         self.interval, self.coefficient, self.momentum_fraction = interval, coefficient, momentum_fraction
         self.initial_error_bound, self.fallback_error_bound = initial_error_bound, fallback_error_bound
         self.layers = tracked_layers(model)
@@ -190,7 +202,7 @@ class ErrorBoundController:
         self._handles: list = []
         self._codecs: dict[float, Codec] = {}
         self._policy: PolicyHandle | None = None
-        self._warned_no_momentum = False
+        self._warned_fallback = False
 
     # ---- hooks ------------------------------------------------------------------------------------------
     def attach(self) -> "ErrorBoundController":
@@ -280,27 +292,30 @@ class ErrorBoundController:
 
     def refresh(self) -> dict[str, float]:
         """Recompute every layer's bound from the current momentum and the last measured step."""
-        changed, without_momentum = {}, []
+        changed, fallbacks = {}, {}  # why a layer falls back -> its names
         for name, module in self.layers.items():
             stats = self.stats.get(name)
             if stats is None:
                 continue
-            momentum = momentum_magnitude(self.optimizer, _weight(module))
+            weight = _weight(module)
+            owner = next((o for o in self.optimizers if _holds(o, weight)), None)
+            momentum = momentum_magnitude(owner, weight)
             if momentum is None:
-                without_momentum.append(name)
+                why = f"{type(owner).__name__} keeps no momentum for" if owner else "no optimizer holds the weights of"
+                fallbacks.setdefault(why, []).append(name)
                 bound = self.fallback_error_bound
             else:
                 bound = paper_error_bound(momentum, stats.mean_grad, stats.terms, stats.nonzero, self.coefficient,
                                           self.momentum_fraction)
             if bound is not None and bound != self.error_bounds.get(name):
                 self.error_bounds[name] = changed[name] = bound
-        if without_momentum and not self._warned_no_momentum:
-            self._warned_no_momentum = True
-            given = type(self.optimizer).__name__ if self.optimizer is not None else "no optimizer"
+        if fallbacks and not self._warned_fallback:
+            self._warned_fallback = True
+            reasons = "; ".join(f"{why} layers {', '.join(names)}" for why, names in fallbacks.items())
             warn_user(
-                f"lightning_act: {given} keeps no momentum for layers {', '.join(without_momentum)}; their lorenzo "
-                f"error bound stays at fallback_error_bound={self.fallback_error_bound:g}. Use SGD or RMSprop "
-                "with momentum, Adam or AdamW to adapt it (Jin et al. eq. 9).")
+                f"lightning_act: {reasons}; their lorenzo error bound stays at fallback_error_bound="
+                f"{self.fallback_error_bound:g}. Use SGD or RMSprop with momentum, Adam or AdamW to adapt it "
+                "(Jin et al. eq. 9).")
         self._codecs = {b: c for b, c in self._codecs.items() if b in self.error_bounds.values()}
         return changed
 

@@ -35,8 +35,7 @@ class ErrorBoundCallback(Callback):
                 " (use Trainer(strategy='act') or strategy=lightning_act.ACTStrategy(...))")
 
     def on_train_start(self, trainer, pl_module) -> None:
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self.controller = ErrorBoundController(trainer.strategy.compressor, optimizer, model=pl_module,
+        self.controller = ErrorBoundController(trainer.strategy.compressor, list(trainer.optimizers), model=pl_module,
                                                **self.options).attach()
         if self._restored is not None:
             self.controller.load_state_dict(self._restored)
