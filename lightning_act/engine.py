@@ -551,14 +551,22 @@ class ActivationCompressor:
         put back on exit (auto-precision's probe passes must not shift the real steps' noise keys)."""
         saved = (self._step_number, self._last_step, getattr(self._thread, "last", None))
         handles = list(self._policy_handles)
+        self._thread.detached = getattr(self._thread, "detached", 0) + 1
         try:
             yield
         finally:
+            self._thread.detached -= 1
             self._step_number, self._last_step, self._thread.last = saved
             for handle in self._policy_handles:
                 if handle not in handles:
                     handle.removed = True  # installed inside and left there: taken out with the steps
             self._set_policy_handles([h for h in handles if not h.removed])
+
+    @property
+    def in_detached_steps(self) -> bool:
+        """Whether this thread runs inside :meth:`detached_steps` (auto-precision's probes): what watches the
+        training steps (the error-bound controller's statistics) skips them."""
+        return getattr(self._thread, "detached", 0) > 0
 
     def install_policy(self, **policies: Callable | None) -> "PolicyHandle":
         """Install policies for some of the slots ``bits``, ``codec`` and ``noise`` (``None`` installs the

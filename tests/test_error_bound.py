@@ -164,6 +164,31 @@ def test_a_layer_no_optimizer_holds_gets_the_fallback_bound_with_a_warning():
     assert bounds["2"] == 5e-3 and bounds["0"] != 5e-3
 
 
+def test_products_are_counted_over_every_call_of_the_step_but_not_over_probes():
+    """N counts every product summed into the weight gradient: a layer applied twice in a step sums twice as many.
+    Auto-precision's probe passes (``detached_steps``) add nothing to what the step measured."""
+    shared = nn.Linear(16, 16)
+    model = nn.Sequential(shared)
+    compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
+    controller = ErrorBoundController(compressor, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    x = torch.randn(8, 16)
+    with controller:
+        with compressor.detached_steps():
+            assert compressor.in_detached_steps
+            with compressor.compress():
+                shared(x).sum().backward()
+        assert not compressor.in_detached_steps and controller.stats == {}
+        with compressor.compress():
+            once = shared(x)
+        once.sum().backward()
+        assert controller.stats["0"].terms == 8 and controller.stats["0"].grad_count == 1
+        controller.stats.clear()
+        with compressor.compress():
+            twice = shared(torch.tanh(shared(x)))
+        twice.sum().backward()
+        assert controller.stats["0"].terms == 16 and controller.stats["0"].grad_count == 2
+
+
 def test_controller_state_round_trips_bounds_and_schedule():
     model = _mlp()
     compressor = act.ActivationCompressor(model, act.ACTConfig(min_numel=0))
@@ -401,6 +426,22 @@ def test_callback_reads_every_optimizer_of_the_module(recwarn):
     assert set(callback.history[-1][1]) == {"net.0", "net.2", "net.6"}
     head = module.optimizers()[1].optimizer
     assert momentum_magnitude(head, module.net[6].weight) is not None
+    assert not [w for w in recwarn if "keeps no momentum" in str(w.message)]
+
+
+def test_callback_steps_with_the_optimizer_under_gradient_accumulation(recwarn):
+    """Refreshes follow optimizer steps (every 2nd of 5), after them: before, the first batch of an accumulated step
+    refreshed before any optimizer step (no momentum yet: the fallback bound and a false warning)."""
+    xtr, ytr, _, _ = _digits()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xtr[:640], ytr[:640]), batch_size=64)
+    callback = ErrorBoundCallback(interval=2, fallback_error_bound=5e-3)
+    trainer = L.Trainer(strategy=act.ACTStrategy(act.ACTConfig(min_numel=0)), max_epochs=1, callbacks=[callback],
+                        accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(DigitsCNN(), loader)
+    assert [step for step, _ in callback.history] == [1, 3, 5]
+    assert 5e-3 not in {bound for _, bounds in callback.history for bound in bounds.values()}
+    assert callback.controller.steps == 5
     assert not [w for w in recwarn if "keeps no momentum" in str(w.message)]
 
 

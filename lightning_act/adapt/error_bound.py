@@ -62,7 +62,7 @@ DEFAULT_FALLBACK_ERROR_BOUND = 1e-3
 class LayerStats:
     """What one measured step saw of a layer: the inputs of eq. 9 besides the momentum."""
 
-    terms: float = 0.0  # N: products summed into each weight-gradient entry
+    terms: float = 0.0  # N: products summed into each weight-gradient entry, over every call of the step
     nonzero: float = 1.0  # R: fraction of non-zero input elements
     grad_sum: float = 0.0  # sum of |dL/doutput| over the measured forward calls
     grad_count: int = 0
@@ -241,7 +241,7 @@ class ErrorBoundController:
         name = self._name_of[id(module)]
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         self._running.append((name, x))
-        if self._measuring and torch.is_grad_enabled() and x is not None:
+        if self._measuring and torch.is_grad_enabled() and x is not None and not self.compressor.in_detached_steps:
             if x.is_floating_point() and x.numel():
                 self.stats.setdefault(name, LayerStats()).nonzero = max(
                     float((x != 0).float().mean()), 1.0 / x.numel())
@@ -250,10 +250,13 @@ class ErrorBoundController:
         name = self._name_of[id(module)]
         if self._running and self._running[-1][0] == name:
             self._running.pop()
-        if not (self._measuring and isinstance(output, torch.Tensor) and output.requires_grad):
+        if not (self._measuring and isinstance(output, torch.Tensor) and output.requires_grad) or \
+                self.compressor.in_detached_steps:
             return
         stats = self.stats.setdefault(name, LayerStats())
-        stats.terms = output.numel() / max(_weight(module).shape[0], 1)
+        # every call adds its products to the one weight gradient: a layer applied twice, or the micro-batches of
+        # an accumulated step (their loss scaled by 1/k, which the measured |dL/doutput| carries)
+        stats.terms += output.numel() / max(_weight(module).shape[0], 1)
 
         def record(grad: torch.Tensor) -> None:
             stats.grad_sum += float(grad.abs().mean())

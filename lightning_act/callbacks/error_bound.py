@@ -27,6 +27,7 @@ class ErrorBoundCallback(Callback):
         # (global step, layer -> bound) at every refresh, for inspection after training
         self.history: list[tuple[int, dict[str, float]]] = []
         self._restored: dict | None = None
+        self._stepped_at = 0  # the trainer's global step when the controller last stepped
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not hasattr(trainer.strategy, "compressor"):
@@ -37,6 +38,7 @@ class ErrorBoundCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.controller = ErrorBoundController(trainer.strategy.compressor, list(trainer.optimizers), model=pl_module,
                                                **self.options).attach()
+        self._stepped_at = trainer.global_step
         if self._restored is not None:
             self.controller.load_state_dict(self._restored)
 
@@ -49,7 +51,12 @@ class ErrorBoundCallback(Callback):
         self._restored = {k: v for k, v in state_dict.items() if k != "history"} or None
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.controller is None or not self.controller.step():
+        # the controller steps with the optimizer: once per accumulated step, after it (the batches accumulated
+        # before it are measured together)
+        if self.controller is None or trainer.global_step == self._stepped_at:
+            return
+        self._stepped_at = trainer.global_step
+        if not self.controller.step():
             return
         bounds = dict(self.controller.error_bounds)
         self.history.append((trainer.global_step, bounds))
