@@ -23,7 +23,7 @@ def test_gradcheck_with_masks_and_dropout(mask_kind, dropout):
     elif mask_kind == "additive":
         mask = torch.randn(2, 1, 7, 7, dtype=torch.float64)
     # a fixed seed: forward and backward of every call draw the same dropout noise
-    fn = lambda q, k, v: _ChunkedAttention.apply(q, k, v, mask, 0.5, 3, 2, dropout, 1234)  # noqa: E731
+    fn = lambda q, k, v: _ChunkedAttention.apply(q, k, v, mask, None, 0.5, None, 3, 2, dropout, 1234)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
@@ -34,7 +34,7 @@ def test_dropout_matches_a_reference_with_the_same_noise():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 10, 4, requires_grad=True) for _ in range(3))
     qc, kc, p, seed = 4, 6, 0.25, 99
-    out = _ChunkedAttention.apply(q, k, v, None, 0.5, qc, kc, p, seed)
+    out = _ChunkedAttention.apply(q, k, v, None, None, 0.5, None, qc, kc, p, seed)
     noise = torch.empty(2, 3, 10, 10)
     rows, cols = range(0, 10, qc), range(0, 10, kc)
     for i, r0 in enumerate(rows):
@@ -141,3 +141,94 @@ def test_cb2_bert_with_padding_trains_with_finite_gradients():
     compressed = grads(act.ActivationCompressor(model, act.ACTConfig(opt_level="CB2", bits=8, adaptive=False)))
     assert torch.isfinite(compressed).all()
     assert F.cosine_similarity(exact, compressed, dim=0) > 0.99
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 2, 7, 9), (2, 2, 7, 9), (2, 7, 1), (1, 1, 1, 9)],
+                         ids=["heads", "batch and heads", "rows", "keys"])
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_a_bias_gets_its_gradient_and_a_softcap_caps_the_scores(bias_shape, softcap):
+    """``softmax(softcap * tanh(q k^T * scale / softcap) + bias + mask) v``: values as a plain reference, and
+    gradcheck through q, k, v and the bias (T5's relative position bias is learnt through it)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 7, 3, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(bias_shape, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, 1, 7, 9, dtype=torch.float64)
+    mask[0, ..., -3:] = torch.finfo(torch.float64).min
+
+    def reference(q, k, v, bias):
+        s = q @ k.transpose(-1, -2) * 1.3
+        s = softcap * torch.tanh(s / softcap) if softcap else s
+        return torch.softmax(s + bias + mask, -1) @ v
+
+    def chunked(q, k, v, bias):
+        return chunked_attention(q, k, v, mask, scale=1.3, query_chunk=3, key_chunk=4, bias=bias, softcap=softcap)
+
+    torch.testing.assert_close(chunked(q, k, v, bias), reference(q, k, v, bias))
+    assert torch.autograd.gradcheck(chunked, (q, k, v, bias))
+
+
+def test_softcap_must_be_positive():
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="softcap=0; expected a finite number > 0"):
+        chunked_attention(q, q, q, softcap=0)
+
+
+def _hf_seq2seq_pair(make_model):
+    """Loss and gradients of a transformers model (train mode, no dropout) with its own attention and under CB2's
+    chunked attention (no codec: only the attention differs)."""
+    torch.manual_seed(0)
+    model = make_model()
+    ids = torch.randint(3, 100, (2, 12))
+    ids[:, -1] = 1
+    labels = torch.tensor([1, 3])
+
+    def step(config):
+        model.zero_grad()
+        compressor = act.ActivationCompressor(model, config)
+        with compressor.compress():
+            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    return step(act.ACTConfig(opt_level="L0")), step(act.ACTConfig(opt_level="CB2", codec="none"))
+
+
+def test_cb2_t5_keeps_its_relative_position_bias():
+    """T5 passes ``position_bias`` to the attention interface: the chunked attention ignored it (the loss changed:
+    1.7823 against 1.7749) and its relative_attention_bias got no gradient."""
+    transformers = pytest.importorskip("transformers")
+    (loss, grads), (cb2_loss, cb2_grads) = _hf_seq2seq_pair(lambda: transformers.T5ForSequenceClassification(
+        transformers.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                              num_heads=4, num_labels=4, pad_token_id=0, decoder_start_token_id=0, dropout_rate=0.0)))
+    torch.testing.assert_close(cb2_loss, loss)
+    bias = [n for n in grads if "relative_attention_bias" in n]
+    assert bias and set(cb2_grads) == set(grads)
+    for name in grads:
+        torch.testing.assert_close(cb2_grads[name], grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_cb2_gemma2_caps_its_attention_logits():
+    """Gemma 2 passes ``softcap``: ignored, the scores of large logits went uncapped."""
+    transformers = pytest.importorskip("transformers")
+
+    def gemma2():
+        model = transformers.Gemma2ForSequenceClassification(transformers.Gemma2Config(
+            vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, intermediate_size=64, num_labels=4, pad_token_id=0, attn_logit_softcapping=2.0))
+        with torch.no_grad():  # logits far past the cap
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(30)
+        return model
+
+    (loss, grads), (cb2_loss, cb2_grads) = _hf_seq2seq_pair(gemma2)
+    torch.testing.assert_close(cb2_loss, loss)
+    for name in grads:
+        torch.testing.assert_close(cb2_grads[name], grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_attention_sinks_are_refused_by_name():
+    from lightning_act.nn.attention import transformers_attention_forward
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="Linear passes s_aux \\(attention sinks\\), which the chunked attention"):
+        transformers_attention_forward(torch.nn.Linear(1, 1), q, q, q, None, s_aux=torch.zeros(2))

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from .._validate import check_int
+from .._validate import check_int, check_positive_float
 
 ATTENTION_NAME = "act_chunked"
 MAX_KEY_CHUNK = 1024
@@ -45,27 +45,36 @@ def _spans(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(n, start + chunk)) for start in range(0, n, chunk)]
 
 
-def _mask_chunk(mask: torch.Tensor | None, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | None:
-    if mask is None:
-        return None
-    rows = mask if mask.shape[-2] == 1 else mask[..., r0:r1, :]
-    return rows if rows.shape[-1] == 1 else rows[..., c0:c1]
-
-
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """What scores, probabilities and gradient sums are computed in: float32, float64 for float64 inputs."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """``q k^T * scale`` in float32 (float64 inputs: float64), the mask applied (additive, or bool: False ->
-    -inf)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, bias: torch.Tensor | None,
+            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``softcap * tanh(q k^T * scale / softcap) + bias`` in float32 (float64 inputs: float64), the mask applied
+    (additive, or bool: False -> -inf); and the tanh (None without a softcap), whose derivative the backward needs."""
     s = torch.matmul(q, k.transpose(-1, -2)).to(_acc_dtype(q.dtype)).mul_(scale)
+    capped = None
+    if softcap is not None:
+        capped = s.div_(softcap).tanh_()
+        s = capped.mul(softcap)
+    if bias is not None:
+        s.add_(bias)
     if mask is None:
-        return s
+        return s, capped
     if mask.dtype == torch.bool:
-        return s.masked_fill_(~mask, float("-inf"))
-    return s.add_(mask)
+        return s.masked_fill_(~mask, float("-inf")), capped
+    return s.add_(mask), capped
+
+
+def _bias_chunk(bias: torch.Tensor | None, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | None:
+    """The part of an additive bias (or of its gradient) that chunk pair (r0:r1, c0:c1) reads: its rows and keys,
+    where they are not broadcast."""
+    if bias is None:
+        return None
+    rows = bias if bias.shape[-2] == 1 else bias[..., r0:r1, :]
+    return rows if rows.shape[-1] == 1 else rows[..., c0:c1]
 
 
 def _dropout_noise(shape, device, dropout: float, seed: int, block: int) -> torch.Tensor:
@@ -78,33 +87,37 @@ def _dropout_noise(shape, device, dropout: float, seed: int, block: int) -> torc
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, mask, scale, query_chunk, key_chunk, dropout, seed):
+    def forward(ctx, query, key, value, mask, bias, scale, softcap, query_chunk, key_chunk, dropout, seed):
+        options = (scale, softcap, query_chunk, key_chunk, dropout, seed)
         with torch.autocast(query.device.type, enabled=False):
-            out, lse = _attention_forward(query, key, value, mask, scale, query_chunk, key_chunk, dropout, seed)
+            out, lse = _attention_forward(query, key, value, mask, bias, *options)
         ctx.save_for_backward(query, key, value, out)  # through the compressor, as every saved activation
-        # kept exactly: the log-sum-exp sets every probability's scale (1/head_dim of q's size), and an additive
-        # mask holds large negatives that a lossy codec must not touch
-        ctx.lse, ctx.mask = lse, mask
-        ctx.options = (scale, query_chunk, key_chunk, dropout, seed)
+        # kept exactly: the log-sum-exp sets every probability's scale (1/head_dim of q's size), an additive mask
+        # holds large negatives that a lossy codec must not touch, and a bias (T5's relative positions) is a logit
+        ctx.lse, ctx.mask, ctx.bias = lse, mask, bias
+        ctx.options = options
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out = ctx.saved_tensors  # each decoded once
         dtypes = query.dtype, key.dtype, value.dtype
+        bias = ctx.bias
         with torch.autocast(query.device.type, enabled=False):
-            delta = _row_delta(out, grad_out.to(query.dtype), ctx.options[1])
+            delta = _row_delta(out, grad_out.to(query.dtype), ctx.options[2])
             del out  # the decoded output serves only rowsum(dO * O)
-            dq, dk, dv = _attention_backward(query, key, value, delta, ctx.lse, ctx.mask, grad_out, *ctx.options)
+            dq, dk, dv, dbias = _attention_backward(query, key, value, delta, ctx.lse, ctx.mask, bias, grad_out,
+                                                    *ctx.options, bias_grad=ctx.needs_input_grad[4])
         # the decoded inputs go before the accumulators are cast, each accumulator as soon as it is (bf16 / fp16:
         # float32 dk and dv are twice the size of the gradients they become)
         del query, key, value
         dk = dk.mul_(ctx.options[0]).to(dtypes[1])
         dv = dv.to(dtypes[2])
-        return dq, dk, dv, None, None, None, None, None, None
+        dbias = dbias.to(bias.dtype) if dbias is not None else None
+        return dq, dk, dv, None, dbias, None, None, None, None, None, None
 
 
-def _attention_forward(q, k, v, mask, scale, query_chunk, key_chunk, dropout, seed):
+def _attention_forward(q, k, v, mask, bias, scale, softcap, query_chunk, key_chunk, dropout, seed):
     acc_dtype = _acc_dtype(q.dtype)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=acc_dtype, device=q.device)
@@ -115,7 +128,8 @@ def _attention_forward(q, k, v, mask, scale, query_chunk, key_chunk, dropout, se
         running_max = torch.full(q_c.shape[:-1] + (1,), float("-inf"), dtype=acc_dtype, device=q.device)
         running_sum = torch.zeros_like(running_max)
         for j, (c0, c1) in enumerate(key_spans):
-            s = _scores(q_c, k[..., c0:c1, :], _mask_chunk(mask, r0, r1, c0, c1), scale)
+            s, _ = _scores(q_c, k[..., c0:c1, :], _bias_chunk(mask, r0, r1, c0, c1), scale,
+                           _bias_chunk(bias, r0, r1, c0, c1), softcap)
             new_max = torch.maximum(running_max, s.amax(dim=-1, keepdim=True))
             # a row masked so far keeps max -inf: shift by 0 there instead of producing NaN
             safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
@@ -160,12 +174,15 @@ def _row_delta(out: torch.Tensor, grad_out: torch.Tensor, query_chunk: int) -> t
     return delta
 
 
-def _attention_backward(q, k, v, delta, lse, mask, grad_out, scale, query_chunk, key_chunk, dropout, seed):
-    """``(dq, dk / scale, dv)``: dq in q's dtype, dk and dv as accumulated (float32; float64 for float64)."""
+def _attention_backward(q, k, v, delta, lse, mask, bias, grad_out, scale, softcap, query_chunk, key_chunk, dropout,
+                        seed, bias_grad: bool = False):
+    """``(dq, dk / scale, dv, dbias)``: dq in q's dtype, dk, dv and the bias's gradient (``bias_grad``, else None)
+    as accumulated (float32; float64 for float64)."""
     acc_dtype = _acc_dtype(q.dtype)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dbias = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if bias_grad else None
     grad_out = grad_out.to(q.dtype)
     # rows attending to nothing (log-sum-exp -inf) get probabilities exp(s - inf) = 0, not NaN
     lse = torch.where(torch.isfinite(lse), lse, float("inf")).unsqueeze(-1)
@@ -175,7 +192,9 @@ def _attention_backward(q, k, v, delta, lse, mask, grad_out, scale, query_chunk,
         dq_c = torch.zeros(q_c.shape, dtype=acc_dtype, device=q.device)
         for j, (c0, c1) in enumerate(key_spans):
             k_c, v_c = k[..., c0:c1, :], v[..., c0:c1, :]
-            p = _scores(q_c, k_c, _mask_chunk(mask, r0, r1, c0, c1), scale).sub_(lse[..., r0:r1, :]).exp_()
+            p, capped = _scores(q_c, k_c, _bias_chunk(mask, r0, r1, c0, c1), scale, _bias_chunk(bias, r0, r1, c0, c1),
+                                softcap)
+            p = p.sub_(lse[..., r0:r1, :]).exp_()
             dp = torch.matmul(do_c, v_c.transpose(-1, -2)).to(acc_dtype)
             if dropout > 0:  # the dropped probabilities P * noise; dS = P * (dP * noise - delta)
                 dropped = _dropout_noise(p.shape, p.device, dropout, seed, i * len(key_spans) + j).mul_(p)
@@ -186,23 +205,32 @@ def _attention_backward(q, k, v, delta, lse, mask, grad_out, scale, query_chunk,
                 _accumulate_(dv[..., c0:c1, :], p.transpose(-1, -2), do_c)
                 ds = dp.sub_(delta_c).mul_(p)
             del p
+            if dbias is not None:  # the bias's gradient is the scores', summed where the bias broadcasts
+                part = _bias_chunk(dbias, r0, r1, c0, c1)
+                part += ds.sum_to_size(part.shape)
+            if capped is not None:  # through softcap * tanh(s / softcap): times 1 - tanh^2
+                ds = ds.mul_(capped.square_().neg_().add_(1))
+            del capped
             _accumulate_(dq_c, ds, k_c)
             _accumulate_(dk[..., c0:c1, :], ds.transpose(-1, -2), q_c)
             del ds, dp
         dq[..., r0:r1, :] = dq_c.mul_(scale).to(q.dtype)
-    return dq, dk, dv  # dk unscaled, dk and dv in the accumulation dtype: the caller casts them
+    return dq, dk, dv, dbias  # dk unscaled, dk, dv and dbias in the accumulation dtype: the caller casts them
 
 
 def chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None = None, scale: float | None = None,
                       query_chunk: int | None = None, key_chunk: int | None = None, dropout: float = 0.0,
-                      training: bool = False) -> torch.Tensor:
-    """``softmax(q k^T * scale + mask) v`` for ``(..., seq, dim)`` tensors, with memory linear in ``seq``.
+                      training: bool = False, bias: torch.Tensor | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
+    """``softmax(softcap * tanh(q k^T * scale / softcap) + bias + mask) v`` for ``(..., seq, dim)`` tensors, with
+    memory linear in ``seq``.
 
     ``attention_mask`` is additive (float) or boolean (True: attend) and broadcastable to ``(..., q_seq, k_seq)``;
-    it gets no gradient. ``key``/``value`` may have fewer heads than ``query`` (grouped-query attention) when
-    dim -3 divides. ``query_chunk``/``key_chunk``: rows and keys per chunk (default: :func:`default_chunks`).
-    A row whose keys are all masked out gives 0.
+    it gets no gradient. ``bias`` is an additive float logit that gets one (T5's relative position bias), broadcast
+    alike. ``softcap`` caps the scores (Gemma 2's logit soft-capping; None: none). ``key``/``value`` may have fewer
+    heads than ``query`` (grouped-query attention) when dim -3 divides. ``query_chunk``/``key_chunk``: rows and keys
+    per chunk (default: :func:`default_chunks`). A row whose keys are all masked out gives 0.
     """
     if query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         if query.shape[-3] % key.shape[-3]:
@@ -214,19 +242,36 @@ def chunked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     key_chunk = auto_k if key_chunk is None else key_chunk
     check_int("query_chunk", query_chunk, minimum=1)
     check_int("key_chunk", key_chunk, minimum=1)
+    if softcap is not None:
+        check_positive_float("softcap", softcap)
+        softcap = float(softcap)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     dropout = float(dropout) if training else 0.0
     seed = int(torch.randint(0, 1 << 62, (1,)).item()) if dropout > 0 else 0  # CPU generator: no device sync
     if attention_mask is not None:
         attention_mask = attention_mask.detach()  # added chunk by chunk in the scores' dtype: never copied
-    return _ChunkedAttention.apply(query, key, value, attention_mask, scale, query_chunk, key_chunk, dropout, seed)
+    return _ChunkedAttention.apply(query, key, value, attention_mask, bias, scale, softcap, query_chunk, key_chunk,
+                                   dropout, seed)
+
+
+# what a transformers model may pass the attention interface that changes the result and this function cannot do
+_UNSUPPORTED = ("s_aux", "sinks")
 
 
 def transformers_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                                   scaling: float | None = None, **kwargs):
-    """transformers' attention-interface signature: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
+                                   scaling: float | None = None, position_bias: torch.Tensor | None = None,
+                                   softcap: float | None = None, **kwargs):
+    """transformers' attention-interface signature: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
+    T5's ``position_bias`` and Gemma 2's ``softcap`` are applied (they were ignored: a T5 trained on other logits);
+    attention sinks are refused."""
+    unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(f"{type(module).__name__} passes {', '.join(unsupported)} (attention sinks), which the chunked "
+                         f"attention of efficient_attention=True (opt_level='CB2') does not compute; use "
+                         "opt_level='CB1' or efficient_attention=False")
     out = chunked_attention(query, key, value, attention_mask, scale=scaling, query_chunk=kwargs.get("query_chunk"),
-                            key_chunk=kwargs.get("key_chunk"), dropout=dropout, training=module.training)
+                            key_chunk=kwargs.get("key_chunk"), dropout=dropout, training=module.training,
+                            bias=position_bias, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
