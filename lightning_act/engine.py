@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import math
 import threading
 from typing import Callable, ContextManager, Iterator, NamedTuple, Protocol
 
@@ -609,12 +610,14 @@ class ActivationCompressor:
         return {t.untyped_storage().data_ptr() for t in map(_local_tensor, tensors)
                 if t.layout == torch.strided and torch._C._has_storage(t)}
 
-    def codec_for(self, index: int, t: torch.Tensor, minimum_bits: int | None = None, in_range: bool = False
-                  ) -> Codec:
+    def codec_for(self, index: int, t: torch.Tensor, minimum_bits: int | None = None, in_range: bool = False,
+                  row: int = 0) -> Codec:
         """The codec for float or bool saved tensor number ``index`` of the step: the lossless codec registered
         for its dtype (1 bit for bool tensors), else the ``codec_policy``'s, else the configured codec at the bits
         the ``bits_policy`` assigns; raised to ``minimum_bits`` where an op rule asks for it, in a codec that keeps
-        values within their group's range with ``in_range`` (:class:`~lightning_act.codecs.op_rules.MinimumBits`)."""
+        values within their group's range with ``in_range``, with groups that tile rows of ``row`` elements
+        (:class:`~lightning_act.codecs.op_rules.MinimumBits`): the greatest common divisor of the row and the
+        codec's group size, where that is a group size (a multiple of 32)."""
         dtype_codec = codecs.dtype_codec(t.dtype)
         if dtype_codec is not None:
             return self.codec(dtype_codec)
@@ -624,7 +627,9 @@ class ActivationCompressor:
             bits = policies["bits"](index, t) if policies["bits"] is not None else None
             codec = self.codec(self.config.codec, bits)
         if minimum_bits is not None and not _holds_bits(codec, minimum_bits, in_range):
-            return self.codec(codec.name if "bits" in codec.config_fields else "quantize", minimum_bits or None)
+            codec = self.codec(codec.name if "bits" in codec.config_fields else "quantize", minimum_bits or None)
+        if row and not _tiles(codec, row) and (group := math.gcd(row, codec.group_size)) % 32 == 0:
+            return self.codec(codec.name, codec.bits, group)
         return codec
 
     def noise_key(self, index: int, step: "_Step | None" = None) -> int:
@@ -635,10 +640,11 @@ class ActivationCompressor:
             return policy(step.number, index)
         return step.noise_base ^ index
 
-    def codec(self, name: str, bits: int | None = None) -> Codec:
+    def codec(self, name: str, bits: int | None = None, group_size: int | None = None) -> Codec:
         """Codec ``name``, built once per compressor: the configured codec with the config's options, ``bits``
-        overriding the config's (auto-precision, the memory-budget planner); any other codec with its defaults."""
-        key = (name, bits)
+        overriding the config's (auto-precision, the memory-budget planner) and ``group_size`` (a normalisation's
+        rows); any other codec with its defaults."""
+        key = (name, bits, group_size)
         codec = self._codecs.get(key)
         if codec is None:
             options = self.config.codec_kwargs() if name == self.config.codec else {}
@@ -646,6 +652,8 @@ class ActivationCompressor:
                 options["backend"] = self.config.backend  # the lossless codecs' kernels follow the config too
             if bits is not None:
                 options["bits"] = bits
+            if group_size is not None:
+                options["group_size"] = group_size
             codec = self._codecs[key] = codecs.get(name, **options)
         return codec
 
@@ -751,11 +759,11 @@ class ActivationCompressor:
         entry = stored.get(key)
         if entry is not None and (entry[0] is None or not entry[0].expired()):
             first = entry[1].get(name)
-            if first is not None and first.codec is not None and not (first.codec.lossless or first.codec.keeps_range) \
-                    and (floor := step.floors.get(index)) is not None and floor.in_range:
-                # a rule asked for a codec that keeps ranges (op_rules.MinimumBits(in_range=True)) and an earlier
-                # save took one that does not (a softmax's output under lorenzo, which a log then saves): stored
-                # apart. (One that does serves: a log and a softmax reading the same rounding cancel it out.)
+            if first is not None and first.codec is not None and (floor := step.floors.get(index)) is not None and \
+                    not _serves(first.codec, floor):
+                # a rule asked for a codec that keeps ranges or for groups within rows (op_rules.MinimumBits) and an
+                # earlier save took one that does not (a softmax's output under lorenzo, which a log then saves):
+                # stored apart. (One that does serves: a log and a softmax reading the same rounding cancel it out.)
                 slot = codec
                 first = entry[1].get(slot)
             if first is not None:
@@ -827,6 +835,7 @@ class ActivationCompressor:
             return None, "codec 'none'"
         codec = minimum_bits = None
         in_range = infinities = False
+        row = 0
         tracker = step.tracker
         if tracker is not None and numel >= config.min_numel:
             # the saving function's rule first: it may store masks or indices losslessly, or ask for precision
@@ -836,7 +845,8 @@ class ActivationCompressor:
                 codec = rule(t, call)
                 if type(codec) is op_rules.MinimumBits:
                     step.floors[index] = codec
-                    codec, minimum_bits, in_range, infinities = None, codec.bits, codec.in_range, codec.infinities
+                    codec, minimum_bits, in_range, infinities, row = (None, codec.bits, codec.in_range,
+                                                                      codec.infinities, codec.row)
                 elif codec is not None and codec.backend != config.backend:
                     codec = self._on_config_backend(codec)
         dtype = t.dtype
@@ -848,7 +858,7 @@ class ActivationCompressor:
                 return None, f"{dtype} values"
             if numel < max(config.min_numel, 1):
                 return None, f"fewer than min_numel={config.min_numel} elements"
-            codec = self.codec_for(index, t, minimum_bits, in_range)
+            codec = self.codec_for(index, t, minimum_bits, in_range, row)
             if infinities and not (codec.lossless or codec.keeps_infinities):
                 codec = self._negative_infinity_mask(codec)
         if codec.dtypes is not None and dtype not in codec.dtypes:
@@ -903,6 +913,17 @@ def _holds_bits(codec: Codec, bits: int, in_range: bool = False) -> bool:
         return True
     own = getattr(codec, "bits", None)
     return own is not None and own >= bits
+
+
+def _tiles(codec: Codec, row: int) -> bool:
+    """Whether ``codec``'s groups (a quantizing codec's; others have none) each lie within one row of ``row``."""
+    group = getattr(codec, "group_size", None)
+    return codec.lossless or group is None or row % group == 0
+
+
+def _serves(codec: Codec, floor: "op_rules.MinimumBits") -> bool:
+    """Whether a form ``codec`` stored serves a save whose op rule asked for ``floor``'s range and rows."""
+    return codec.lossless or ((codec.keeps_range or not floor.in_range) and (not floor.row or _tiles(codec, floor.row)))
 
 
 def _record_resize(records: list[TensorRecord], record: TensorRecord, nbytes: int) -> None:

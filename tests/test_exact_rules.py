@@ -4,13 +4,15 @@ stored exactly, whatever the codec; ``compress_masks=False`` keeps these rules (
 Rounded apart, an amax's saved input no longer equals its saved result: its backward divides the gradient by a
 count of 0 (NaN everywhere) or gives it to no element. A torch_geometric max aggregation (``scatter_reduce_``
 with ``"amax"``) trained to NaN gradients this way."""
+import math
+
 import pytest
 import torch
 from torch import nn
 
 import lightning_act as act
 from lightning_act.codecs import op_rules
-from lightning_act.stats import COMPRESSED
+from lightning_act.stats import COMPRESSED, DUPLICATE
 
 torch.manual_seed(0)
 _INDEX = torch.randint(0, 50, (512,))
@@ -253,3 +255,99 @@ def test_conv_activations_of_every_dtype_and_layout(op, dtype, memory_format):
     else:
         assert all(r.bits == op_rules.IN_RANGE_BITS for r in records)
         torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+
+
+NORMALIZATIONS = {
+    # name -> (module over rows of 64 contiguous elements of an 8 x 17 x 64 input, its row length)
+    "layer_norm": (lambda: nn.LayerNorm(64), 64),
+    "rms_norm": (lambda: nn.RMSNorm(64), 64),
+    "group_norm": (lambda: nn.GroupNorm(1, 17), 17 * 64),
+    "instance_norm": (lambda: nn.InstanceNorm1d(17, affine=True), 64),
+}
+_NORM_CODECS = {"quantize 8-bit": dict(bits=8, adaptive=False), "quantize 4-bit": dict(bits=4, adaptive=False),
+                "division": dict(codec="division"), "lorenzo": dict(codec="lorenzo", error_bound=1e-3)}
+
+
+def _class_token_rows(dtype: torch.dtype) -> torch.Tensor:
+    """A ViT's layer-norm input at initialisation: patch rows of unit scale and an all-zero class-token row (BEiT
+    initialises it to zeros), 64 elements a row: a group of 256 holds four rows."""
+    torch.manual_seed(2)
+    x = torch.randn(8, 17, 64, dtype=dtype)
+    x[:, 0] = 0
+    return x
+
+
+def _statistics_kept_exact(compressor, input_numel: int) -> bool:
+    statistics = [r for r in compressor.stats().records if r.kind != "parameter" and r.shape.numel() < input_numel]
+    return bool(statistics) and all(r.codec == "none" and r.kind in (COMPRESSED, DUPLICATE) for r in statistics)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("codec", list(_NORM_CODECS))
+@pytest.mark.parametrize("norm", list(NORMALIZATIONS))
+def test_a_normalisation_keeps_its_statistics_exact_and_rounds_each_row_in_its_own_range(norm, codec, dtype):
+    """A zero row's 1/std is 1/sqrt(eps): its statistics quantized with the other rows' (8 bits), or its input rounded
+    in a group shared with patch rows, gave a gradient of cosine -0.1 against the exact one. The input goes on
+    quantize's grid whatever the codec (division's and lorenzo's errors are not relative to a row)."""
+    make, row = NORMALIZATIONS[norm]
+    torch.manual_seed(0)
+    module = make().to(dtype)
+    x = _class_token_rows(dtype)
+    weight = torch.randn(8, 17, 64, dtype=dtype, requires_grad=True)  # a leaf: kept, as a parameter is
+
+    def loss_of(h):
+        return (module(h) * weight).sum()
+
+    expected, _ = _gradient(loss_of, None, x)
+    got, compressor = _gradient(loss_of, act.ACTConfig(min_numel=0, **_NORM_CODECS[codec]), x)
+    assert got.isfinite().all()
+    assert nn.functional.cosine_similarity(got.double().flatten(), expected.double().flatten(), dim=0) > 0.95
+    assert _statistics_kept_exact(compressor, x.numel())
+    values = next(r for r in compressor.stats().records if r.shape.numel() == x.numel())  # the input, saved first
+    groups = x.numel() // math.gcd(row, 256)
+    assert (values.codec, values.stored_bytes) == \
+        ("quantize", x.numel() * (8 if codec == "quantize 8-bit" else 4) // 8 + groups * 2 * 4)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("codec", list(_NORM_CODECS))
+def test_a_batch_norm_keeps_its_statistics_exact_and_its_input_in_the_configured_groups(codec, memory_format):
+    norm = nn.BatchNorm2d(8)
+    x = torch.randn(4, 8, 14, 14).to(memory_format=memory_format)
+    got, compressor = _gradient(lambda h: norm(h).pow(2).sum(), act.ACTConfig(min_numel=0, **_NORM_CODECS[codec]), x)
+    assert got.isfinite().all() and _statistics_kept_exact(compressor, x.numel())
+    values = next(r for r in compressor.stats().records if r.shape == x.shape)
+    assert values.codec == _NORM_CODECS[codec].get("codec", "quantize")
+
+
+@pytest.mark.parametrize("hidden, group", [(384, 128), (768, 256), (96, 32), (80, 256)])
+def test_a_layer_norm_input_is_grouped_within_its_rows(hidden, group):
+    """Groups of the greatest common divisor of the row and the configured group size, where that is a group size
+    (a multiple of 32; 80 elements a row keep the configured groups)."""
+    norm = nn.LayerNorm(hidden)
+    compressor = act.ActivationCompressor(norm, act.ACTConfig(bits=4, adaptive=False, min_numel=0))
+    x = torch.randn(8, 16, hidden)
+    with compressor.compress():
+        y = norm(x * 1)
+    y.sum().backward()
+    (values,) = [r for r in compressor.stats().records if r.shape == x.shape]
+    assert (values.codec, values.stored_bytes) == ("quantize", x.numel() // 2 + -(-x.numel() // group) * 8)
+
+
+def test_a_layer_norm_input_first_saved_in_shared_groups_is_stored_again_within_rows():
+    """``h * s`` saves h in the configured groups (four 64-element rows a group); the layer norm reading the same
+    storage next stores it again, grouped by row, and its gradient keeps the zero row's."""
+    torch.manual_seed(0)
+    norm, scale = nn.LayerNorm(64), torch.randn(64, requires_grad=True)
+    x = _class_token_rows(torch.float32)
+
+    def loss_of(h):
+        return (h * scale).sum() + (norm(h) * torch.linspace(-1, 1, 64)).sum()
+
+    expected, _ = _gradient(loss_of, None, x)
+    got, compressor = _gradient(loss_of, act.ACTConfig(bits=8, adaptive=False, min_numel=0), x)
+    values = [r for r in compressor.stats().records if r.shape == x.shape]
+    assert [(r.kind, r.stored_bytes) for r in values] == [(COMPRESSED, x.numel() + x.numel() // 256 * 8),
+                                                         (COMPRESSED, x.numel() + x.numel() // 64 * 8)]
+    assert nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.99

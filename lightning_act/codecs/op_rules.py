@@ -29,11 +29,14 @@ class MinimumBits(NamedTuple):
     so an error-bounded one gives way to quantize too (at ``bits``, or quantize's default for ``bits=0``, which
     asks for no precision, only the flags). ``infinities``: the tensor may hold ``-inf`` (masked
     logits), which the codec must bring back: one that does not (``Codec.keeps_infinities``) runs inside a
-    :class:`~lightning_act.codecs.negative_infinity.NegativeInfinityMask`."""
+    :class:`~lightning_act.codecs.negative_infinity.NegativeInfinityMask`. ``row``: the tensor is rows of this many
+    contiguous elements that its backward scales each by its own statistic (a normalisation's input): a quantizing
+    codec's groups must not straddle two rows, so each row's rounding is relative to its own range."""
 
     bits: int
     in_range: bool = False
     infinities: bool = False
+    row: int = 0
 
 
 OpRule = Callable[[torch.Tensor, FunctionCall], Optional[Union[Codec, MinimumBits]]]
@@ -243,6 +246,43 @@ def _divisor_rule(t: torch.Tensor, call: FunctionCall) -> Codec | MinimumBits | 
     return KEPT_EXACT
 
 
+def _normalized_row(call: FunctionCall, source: torch.Tensor) -> int:
+    """Elements in each contiguous row a normalisation scales by its own statistic (0: none to align with)."""
+    if call.func in _PER_ROW_SHAPE:  # layer_norm, rms_norm: over the trailing normalized_shape
+        shape = _argument(call, 1, "normalized_shape")
+        return math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape or 0)
+    if call.func in _PER_GROUP:  # group_norm: each sample's channel group with its positions
+        groups = _argument(call, 1, "num_groups")
+        return source.numel() // (source.shape[0] * groups) if isinstance(groups, int) and groups > 0 else 0
+    if call.func in _PER_PLANE:  # instance_norm: each sample's channel, its positions
+        return math.prod(source.shape[2:])
+    # batch_norm: a channel's statistics span the batch, and aligning groups with its planes (a ResNet's 56 x 56)
+    # would shrink them (64 elements, statistics 1.2 bits an element at 4 bits) for every convolution block
+    return 0
+
+
+def _normalization_rule(t: torch.Tensor, call: FunctionCall) -> Codec | MinimumBits | None:
+    # A normalisation's backward multiplies each row by its saved 1/std, which spans decades across rows (a zero
+    # row's is 1/sqrt(eps)): the statistics it saves beside its input (a layer norm's mean and rstd, a batch or
+    # group norm's mean and invstd, 1/row-length of the input) are kept exact, one rounding of rstd would scale a
+    # whole row's gradient. The input's rounding must be relative to its own row, x_hat = (x - mean) * rstd: in
+    # quantize's groups that do not straddle rows (a BEiT's all-zero class-token row in a group with patch rows
+    # came back as noise, times 1e6), where a group size tiles the row (its gcd with the configured one)
+    source = call.args[0] if call.args else call.kwargs.get("input")
+    if not (torch.is_tensor(source) and t.is_floating_point()):
+        return None
+    if t.numel() < source.numel():
+        return KEPT_EXACT
+    row = _normalized_row(call, source) if t.is_contiguous() else 0
+    return MinimumBits(0, in_range=True, row=row) if row > 0 else None
+
+
+_PER_ROW_SHAPE = frozenset(map(original, (torch.nn.functional.layer_norm, torch.layer_norm,
+                                           torch.nn.functional.rms_norm, torch.rms_norm)))
+_PER_GROUP = frozenset(map(original, (torch.nn.functional.group_norm, torch.group_norm)))
+_PER_PLANE = frozenset(map(original, (torch.nn.functional.instance_norm, torch.instance_norm)))
+register_op_rule(tuple(_PER_ROW_SHAPE | _PER_GROUP | _PER_PLANE) + (torch.nn.functional.batch_norm, torch.batch_norm),
+                 _normalization_rule, gradient=True)
 register_op_rule(_variants("amax", "amin", "prod", "cumprod", "sqrt", "rsqrt", "reciprocal") +
                  (torch.Tensor.__rtruediv__,), _exact_rule, gradient=True)
 register_op_rule(_variants("max", "min", "median", "nanmedian"), _whole_tensor_rule, gradient=True)
