@@ -209,20 +209,27 @@ def test_cb2_t5_keeps_its_relative_position_bias():
 
 
 def test_cb2_gemma2_caps_its_attention_logits():
-    """Gemma 2 passes ``softcap``: ignored, the scores of large logits went uncapped."""
+    """Gemma 2 passes ``softcap``: ignored, the scores of large logits went uncapped. Its own eager attention is the
+    reference (transformers 5.0 defaulted Gemma 2 to SDPA, which ignored the cap too)."""
     transformers = pytest.importorskip("transformers")
 
-    def gemma2():
-        model = transformers.Gemma2ForSequenceClassification(transformers.Gemma2Config(
-            vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, intermediate_size=64, num_labels=4, pad_token_id=0, attn_logit_softcapping=2.0))
-        with torch.no_grad():  # logits far past the cap
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.weight.mul_(30)
-        return model
+    def gemma2(cap: float | None):
+        def make():
+            model = transformers.Gemma2ForSequenceClassification(transformers.Gemma2Config(
+                vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, intermediate_size=64, num_labels=4, pad_token_id=0, attn_logit_softcapping=cap))
+            model.config._attn_implementation = "eager"
+            with torch.no_grad():  # logits far past the cap
+                for layer in model.model.layers:
+                    layer.self_attn.q_proj.weight.mul_(40)
+                    layer.self_attn.k_proj.weight.mul_(40)
+            return model
+        return make
 
-    (loss, grads), (cb2_loss, cb2_grads) = _hf_seq2seq_pair(gemma2)
-    torch.testing.assert_close(cb2_loss, loss)
+    (loss, grads), (cb2_loss, cb2_grads) = _hf_seq2seq_pair(gemma2(2.0))
+    (uncapped, _), _ = _hf_seq2seq_pair(gemma2(None))
+    assert abs(float(uncapped - loss)) > 1e-2  # the cap matters here
+    torch.testing.assert_close(cb2_loss, loss, rtol=1e-4, atol=1e-6)  # saturated tanh: float32 sums in other orders
     for name in grads:
         torch.testing.assert_close(cb2_grads[name], grads[name], rtol=1e-4, atol=1e-6)
 
