@@ -282,7 +282,8 @@ def _statistics_kept_exact(compressor, input_numel: int) -> bool:
     return bool(statistics) and all(r.codec == "none" and r.kind in (COMPRESSED, DUPLICATE) for r in statistics)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
+                         ids=["float32", "float64", "bfloat16"])
 @pytest.mark.parametrize("codec", list(_NORM_CODECS))
 @pytest.mark.parametrize("norm", list(NORMALIZATIONS))
 def test_a_normalisation_keeps_its_statistics_exact_and_rounds_each_row_in_its_own_range(norm, codec, dtype):
@@ -309,16 +310,34 @@ def test_a_normalisation_keeps_its_statistics_exact_and_rounds_each_row_in_its_o
         ("quantize", x.numel() * (8 if codec == "quantize 8-bit" else 4) // 8 + groups * 2 * 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
                          ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("codec", list(_NORM_CODECS))
-def test_a_batch_norm_keeps_its_statistics_exact_and_its_input_in_the_configured_groups(codec, memory_format):
-    norm = nn.BatchNorm2d(8)
-    x = torch.randn(4, 8, 14, 14).to(memory_format=memory_format)
-    got, compressor = _gradient(lambda h: norm(h).pow(2).sum(), act.ACTConfig(min_numel=0, **_NORM_CODECS[codec]), x)
+@pytest.mark.parametrize("norm", ["batch_norm", "group_norm"])
+def test_a_conv_normalisation_keeps_its_statistics_exact(norm, codec, memory_format, dtype):
+    """A batch norm's input keeps the configured codec and groups (its channels span the batch); a group norm's
+    contiguous rows (a sample's channel group, 2 x 8 x 12 elements) take quantize's groups within them, and its
+    channels_last input, whose rows are strided, the configured codec."""
+    torch.manual_seed(0)
+    module = (nn.BatchNorm2d(8) if norm == "batch_norm" else nn.GroupNorm(4, 8)).to(dtype)
+    x = torch.randn(4, 8, 8, 12, dtype=dtype).to(memory_format=memory_format)
+    weight = torch.randn(4, 8, 8, 12, dtype=dtype, requires_grad=True)  # a leaf: kept, as a parameter is
+
+    def loss_of(h):
+        return (module(h) * weight).sum()
+
+    got, compressor = _gradient(loss_of, act.ACTConfig(min_numel=0, **_NORM_CODECS[codec]), x)
+    expected, _ = _gradient(loss_of, None, x)
     assert got.isfinite().all() and _statistics_kept_exact(compressor, x.numel())
+    assert nn.functional.cosine_similarity(got.double().flatten(), expected.double().flatten(), dim=0) > 0.9
     values = next(r for r in compressor.stats().records if r.shape == x.shape)
-    assert values.codec == _NORM_CODECS[codec].get("codec", "quantize")
+    if norm == "group_norm" and memory_format == torch.contiguous_format:
+        bits = 8 if codec == "quantize 8-bit" else 4
+        assert (values.codec, values.stored_bytes) == \
+            ("quantize", x.numel() * bits // 8 + x.numel() // math.gcd(2 * 8 * 12, 256) * 8)
+    else:
+        assert values.codec == _NORM_CODECS[codec].get("codec", "quantize")
 
 
 @pytest.mark.parametrize("hidden, group", [(384, 128), (768, 256), (96, 32), (80, 256)])

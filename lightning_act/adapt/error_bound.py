@@ -99,12 +99,9 @@ def _is_input(t: torch.Tensor, x: torch.Tensor | None) -> bool:
     return t.numel() == x.numel() and t.dim() > 0 and x.dim() > 0 and t.shape[-1] == x.shape[-1]
 
 
-def _holds(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> bool:
-    return any(p is param for g in optimizer.param_groups for p in g["params"])
-
-
-def _group_of(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict:
-    return next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+def _group_of(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict | None:
+    """The parameter group of ``optimizer`` that holds ``param`` (None: it holds none)."""
+    return next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
 
 
 def momentum_magnitude(optimizer: torch.optim.Optimizer | None, param: nn.Parameter) -> float | None:
@@ -301,7 +298,7 @@ class ErrorBoundController:
             if stats is None:
                 continue
             weight = _weight(module)
-            owner = next((o for o in self.optimizers if _holds(o, weight)), None)
+            owner = next((o for o in self.optimizers if _group_of(o, weight) is not None), None)
             momentum = momentum_magnitude(owner, weight)
             if momentum is None:
                 why = f"{type(owner).__name__} keeps no momentum for" if owner else "no optimizer holds the weights of"

@@ -68,12 +68,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: 
     return s.add_(mask), capped
 
 
-def _bias_chunk(bias: torch.Tensor | None, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | None:
-    """The part of an additive bias (or of its gradient) that chunk pair (r0:r1, c0:c1) reads: its rows and keys,
-    where they are not broadcast."""
-    if bias is None:
+def _score_chunk(scores: torch.Tensor | None, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor | None:
+    """The part of a tensor broadcast to the scores (a mask, a bias, the bias's gradient) that chunk pair
+    (r0:r1, c0:c1) reads: its rows and keys, where they are not broadcast."""
+    if scores is None:
         return None
-    rows = bias if bias.shape[-2] == 1 else bias[..., r0:r1, :]
+    rows = scores if scores.shape[-2] == 1 else scores[..., r0:r1, :]
     return rows if rows.shape[-1] == 1 else rows[..., c0:c1]
 
 
@@ -103,15 +103,16 @@ class _ChunkedAttention(torch.autograd.Function):
         query, key, value, out = ctx.saved_tensors  # each decoded once
         dtypes = query.dtype, key.dtype, value.dtype
         bias = ctx.bias
+        scale, _, query_chunk, *_ = ctx.options
         with torch.autocast(query.device.type, enabled=False):
-            delta = _row_delta(out, grad_out.to(query.dtype), ctx.options[2])
+            delta = _row_delta(out, grad_out.to(query.dtype), query_chunk)
             del out  # the decoded output serves only rowsum(dO * O)
             dq, dk, dv, dbias = _attention_backward(query, key, value, delta, ctx.lse, ctx.mask, bias, grad_out,
                                                     *ctx.options, bias_grad=ctx.needs_input_grad[4])
         # the decoded inputs go before the accumulators are cast, each accumulator as soon as it is (bf16 / fp16:
         # float32 dk and dv are twice the size of the gradients they become)
         del query, key, value
-        dk = dk.mul_(ctx.options[0]).to(dtypes[1])
+        dk = dk.mul_(scale).to(dtypes[1])
         dv = dv.to(dtypes[2])
         dbias = dbias.to(bias.dtype) if dbias is not None else None
         return dq, dk, dv, None, dbias, None, None, None, None, None, None
@@ -128,8 +129,8 @@ def _attention_forward(q, k, v, mask, bias, scale, softcap, query_chunk, key_chu
         running_max = torch.full(q_c.shape[:-1] + (1,), float("-inf"), dtype=acc_dtype, device=q.device)
         running_sum = torch.zeros_like(running_max)
         for j, (c0, c1) in enumerate(key_spans):
-            s, _ = _scores(q_c, k[..., c0:c1, :], _bias_chunk(mask, r0, r1, c0, c1), scale,
-                           _bias_chunk(bias, r0, r1, c0, c1), softcap)
+            s, _ = _scores(q_c, k[..., c0:c1, :], _score_chunk(mask, r0, r1, c0, c1), scale,
+                           _score_chunk(bias, r0, r1, c0, c1), softcap)
             new_max = torch.maximum(running_max, s.amax(dim=-1, keepdim=True))
             # a row masked so far keeps max -inf: shift by 0 there instead of producing NaN
             safe_max = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
@@ -192,7 +193,7 @@ def _attention_backward(q, k, v, delta, lse, mask, bias, grad_out, scale, softca
         dq_c = torch.zeros(q_c.shape, dtype=acc_dtype, device=q.device)
         for j, (c0, c1) in enumerate(key_spans):
             k_c, v_c = k[..., c0:c1, :], v[..., c0:c1, :]
-            p, capped = _scores(q_c, k_c, _bias_chunk(mask, r0, r1, c0, c1), scale, _bias_chunk(bias, r0, r1, c0, c1),
+            p, capped = _scores(q_c, k_c, _score_chunk(mask, r0, r1, c0, c1), scale, _score_chunk(bias, r0, r1, c0, c1),
                                 softcap)
             p = p.sub_(lse[..., r0:r1, :]).exp_()
             dp = torch.matmul(do_c, v_c.transpose(-1, -2)).to(acc_dtype)
@@ -206,7 +207,7 @@ def _attention_backward(q, k, v, delta, lse, mask, bias, grad_out, scale, softca
                 ds = dp.sub_(delta_c).mul_(p)
             del p
             if dbias is not None:  # the bias's gradient is the scores', summed where the bias broadcasts
-                part = _bias_chunk(dbias, r0, r1, c0, c1)
+                part = _score_chunk(dbias, r0, r1, c0, c1)
                 part += ds.sum_to_size(part.shape)
             if capped is not None:  # through softcap * tanh(s / softcap): times 1 - tanh^2
                 ds = ds.mul_(capped.square_().neg_().add_(1))
@@ -266,8 +267,8 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
     attention sinks are refused."""
     unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
     if unsupported:
-        raise ValueError(f"{type(module).__name__} passes {', '.join(unsupported)} (attention sinks), which the chunked "
-                         f"attention of efficient_attention=True (opt_level='CB2') does not compute; use "
+        raise ValueError(f"{type(module).__name__} passes {', '.join(unsupported)} (attention sinks), which the "
+                         "chunked attention of efficient_attention=True (opt_level='CB2') does not compute; use "
                          "opt_level='CB1' or efficient_attention=False")
     out = chunked_attention(query, key, value, attention_mask, scale=scaling, query_chunk=kwargs.get("query_chunk"),
                             key_chunk=kwargs.get("key_chunk"), dropout=dropout, training=module.training,
